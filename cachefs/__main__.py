@@ -1,0 +1,5 @@
+import sys
+
+from cachefs.cli import main
+
+sys.exit(main())

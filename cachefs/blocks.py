@@ -1,0 +1,44 @@
+"""Cache identity: which blocks a read touches, and the key each block is stored under."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class FileId(NamedTuple):
+    """A source file's identity. A change of size or mtime_ns is a new file to the cache."""
+
+    path: str
+    size: int
+    mtime_ns: int
+
+
+def block_count(size: int, block_size: int) -> int:
+    """Number of blocks of a file; an empty file has none, a small file exactly one."""
+    return (size + block_size - 1) // block_size
+
+
+def block_range(offset: int, length: int, size: int, block_size: int) -> range:
+    """Indices of the blocks that hold bytes [offset, offset+length) of a file of `size` bytes."""
+    end = min(offset + length, size)
+    if offset >= end:
+        return range(0)
+    return range(offset // block_size, (end - 1) // block_size + 1)
+
+
+def block_extent(index: int, size: int, block_size: int) -> tuple[int, int]:
+    """(offset, length) of block `index` in a file of `size` bytes."""
+    start = index * block_size
+    return start, max(0, min(block_size, size - start))
+
+
+def block_key(namespace: bytes, fid: FileId, index: int, block_size: int) -> bytes:
+    """The cache key of one block.
+
+    It carries the source namespace (one per source directory, so two sources can share a
+    cache dir), the file's identity and the block size (a remount with another block size
+    must not read blocks of the old geometry). Paths are bytes-safe: undecodable names were
+    decoded with surrogateescape and are encoded back the same way.
+    """
+    path = fid.path.encode("utf-8", "surrogateescape")
+    return b"%s\0%s\0%d\0%d\0%d\0%d" % (namespace, path, fid.size, fid.mtime_ns, block_size, index)

@@ -1,0 +1,187 @@
+"""The cachefs command line: mount, stats, umount. `main(argv)` is callable from tests."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Optional, Sequence
+
+from cachefs import __version__
+from cachefs.config import (
+    DEFAULT_BLOCK_SIZE, DEFAULT_METADATA_TTL, DEFAULT_NEGATIVE_TTL, Config, default_cache_dir,
+    format_size, parse_duration, parse_size,
+)
+from cachefs.errors import CachefsError
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2, like every other bad input."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _size(what: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> int:
+        try:
+            return parse_size(text, what)
+        except CachefsError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
+
+
+def _duration(what: str):  # type: ignore[no-untyped-def]
+    def parse(text: str) -> float:
+        try:
+            return parse_duration(text, what)
+        except CachefsError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="cachefs", description="A read-only FUSE cache (RAM + NVMe) in front of slow storage.")
+    p.add_argument("--version", action="version", version=f"cachefs {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    m = sub.add_parser("mount", help="mirror SOURCE at MOUNTPOINT through the cache",
+                       description="Mirror SOURCE read-only at MOUNTPOINT, caching blocks in RAM and on local disk.")
+    m.add_argument("source", help="the slow directory (NFS, SMB, sshfs, HDD, ...)")
+    m.add_argument("mountpoint", help="an existing empty directory")
+    tiers = m.add_argument_group("cache tiers")
+    tiers.add_argument("--ram-size", type=_size("--ram-size"), metavar="SIZE",
+                       help="RAM tier budget, e.g. 16GiB (default: 1/4 of memory, at most 4 GiB). "
+                            "The kernel page cache comes on top of it.")
+    tiers.add_argument("--cache-dir", default=default_cache_dir(), metavar="DIR",
+                       help="where the NVMe tier lives; put it on local flash (default: %(default)s)")
+    tiers.add_argument("--disk-size", type=_size("--disk-size"), metavar="SIZE",
+                       help="NVMe tier budget, a hard limit, e.g. 200GiB; 0 disables the tier "
+                            "(default: half the free space of the cache disk, at most 64 GiB)")
+    tiers.add_argument("--block-size", type=_size("--block-size"), default=DEFAULT_BLOCK_SIZE, metavar="SIZE",
+                       help="cache block size; files up to this size are one block "
+                            f"(default: {format_size(DEFAULT_BLOCK_SIZE)})")
+    meta = m.add_argument_group("metadata")
+    meta.add_argument("--metadata-ttl", type=_duration("--metadata-ttl"), default=DEFAULT_METADATA_TTL,
+                      metavar="SECONDS",
+                      help="how long stat results and listings are trusted, in cachefs and the kernel; "
+                           "changes on the source show up after this (default: %(default)gs, "
+                           "for an immutable dataset)")
+    meta.add_argument("--negative-ttl", type=_duration("--negative-ttl"), default=DEFAULT_NEGATIVE_TTL,
+                      metavar="SECONDS", help="how long 'no such file' is remembered (default: %(default)gs)")
+    run = m.add_argument_group("running")
+    run.add_argument("-f", "--foreground", action="store_true",
+                     help="stay in the foreground (log to stderr); Ctrl-C or SIGTERM unmounts")
+    run.add_argument("--allow-other", action="store_true",
+                     help="let other users use the mount; the kernel then enforces the source's modes")
+    run.add_argument("--log-file", metavar="FILE", help="daemon log (default: CACHE_DIR/cachefs.log)")
+    run.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug (with tracebacks)")
+    run.add_argument("--open-per-handle", action="store_true",
+                     help="send every open() to cachefs instead of using zero-message opens "
+                          "(slower warm epochs; for debugging)")
+    run.add_argument("--debug-fuse", action="store_true", help="libfuse's own request trace (very verbose)")
+
+    s = sub.add_parser("stats", help="show what a mount's cache is doing",
+                       description="Hits, misses and occupancy per tier, and source traffic, of a cachefs mount.")
+    s.add_argument("mountpoint", nargs="?", help="a cachefs mount point (default: list all cachefs mounts)")
+    s.add_argument("--json", action="store_true", help="print the raw snapshot as JSON (schema in README)")
+
+    u = sub.add_parser("umount", aliases=["unmount"], help="unmount a cachefs mount",
+                       description="Unmount and wait for the daemon to finish writing the cache.")
+    u.add_argument("mountpoint")
+    return p
+
+
+def _ratio(hits: int, misses: int) -> str:
+    total = hits + misses
+    return f"{hits / total:.1%}" if total else "-"
+
+
+def format_stats(snap: dict[str, Any]) -> str:
+    """The human table of `cachefs stats`."""
+    info, ram, disk, src = snap.get("info", {}), snap.get("ram", {}), snap.get("disk", {}), snap.get("source", {})
+    fuse = snap.get("fuse", {})
+    g = lambda d, k: d.get(k) or 0  # noqa: E731
+    lines = [
+        f"cachefs {info.get('version', '?')}  pid {info.get('pid', '?')}  up {snap.get('uptime_s', 0):.0f}s",
+        f"source     {info.get('source', '?')}",
+        f"mount      {info.get('mountpoint', '?')}",
+        "",
+        f"{'tier':<6}{'hits':>10}{'misses':>10}{'hit rate':>10}{'served':>12}{'used':>12}{'capacity':>12}{'entries':>9}",
+    ]
+    for name, t in (("ram", ram), ("disk", disk)):
+        lines.append(
+            f"{name:<6}{g(t, 'hits'):>10}{g(t, 'misses'):>10}{_ratio(g(t, 'hits'), g(t, 'misses')):>10}"
+            f"{format_size(g(t, 'served_bytes')):>12}{format_size(g(t, 'used_bytes')):>12}"
+            f"{format_size(g(t, 'capacity_bytes')):>12}{g(t, 'entries'):>9}"
+        )
+    lines += [
+        "",
+        f"source     {g(src, 'read_range')} reads, {format_size(g(src, 'bytes'))} "
+        f"({format_size(g(src, 'served_bytes'))} of it read by users); "
+        f"{g(src, 'stat')} stats, {g(src, 'listdir')} listings; {g(src, 'errors')} errors",
+        f"ram        {g(ram, 'evictions')} evictions, {g(ram, 'promotions')} promotions from disk",
+        f"disk       {g(disk, 'writes')} writes, {g(disk, 'evictions')} evictions, "
+        f"{g(disk, 'checksum_failures')} checksum failures, {g(disk, 'errors')} errors",
+        f"requests   {g(fuse, 'read')} reads, {g(fuse, 'getattr')} getattrs, {g(fuse, 'readdir')} readdirs, "
+        f"{g(fuse, 'open')} opens reached the daemon",
+    ]
+    return "\n".join(lines)
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from cachefs.mount import cachefs_mounts, read_control
+
+    if args.mountpoint is None:
+        mounts = cachefs_mounts()
+        if args.json:
+            print(json.dumps([{"mountpoint": m.mountpoint, "source": m.source} for m in mounts]))
+            return 0
+        if not mounts:
+            print("no cachefs mounts")
+        for m in mounts:
+            print(f"{m.mountpoint}  <- {m.source}")
+        return 0
+    snap = read_control(args.mountpoint, "user.cachefs.stats")
+    print(json.dumps(snap, indent=2, sort_keys=True) if args.json else format_stats(snap))
+    return 0
+
+
+def _cmd_mount(args: argparse.Namespace) -> int:
+    from cachefs.mount import mount
+
+    config = Config(
+        source=args.source, mountpoint=args.mountpoint, cache_dir=args.cache_dir,
+        ram_size=args.ram_size, disk_size=args.disk_size, block_size=args.block_size,
+        metadata_ttl=args.metadata_ttl, negative_ttl=args.negative_ttl, foreground=args.foreground,
+        allow_other=args.allow_other, log_file=args.log_file, verbose=args.verbose,
+        debug_fuse=args.debug_fuse, zero_message_open=not args.open_per_handle,
+    )
+    return mount(config)
+
+
+def _cmd_umount(args: argparse.Namespace) -> int:
+    from cachefs.mount import unmount
+
+    print(f"cachefs: {unmount(args.mountpoint)}")
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    commands = {"mount": _cmd_mount, "stats": _cmd_stats, "umount": _cmd_umount, "unmount": _cmd_umount}
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return commands[args.command](args)
+    except CachefsError as exc:
+        print(f"cachefs: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

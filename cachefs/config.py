@@ -1,0 +1,125 @@
+"""Configuration: every default in one place, with its unit and the reason for it."""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from cachefs.errors import CachefsError
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+# Cache block size (bytes). A file up to this size is one block; larger files are split.
+# 4 MiB measured best for a cold sequential read over a 2 ms / 200 MB/s store without
+# read-ahead (see README, "Choosing the block size"): 1 MiB pays the round trip too often,
+# 16 MiB makes a random 128 KiB read of a big file fetch 16 MiB.
+DEFAULT_BLOCK_SIZE = 4 * MiB
+
+# Metadata TTL (seconds) for stat results and directory listings, in cachefs and in the
+# kernel. Training data sets are immutable while a job runs; an hour keeps a whole epoch
+# from ever asking the source for metadata twice. Use --metadata-ttl 1 for a changing tree.
+DEFAULT_METADATA_TTL = 3600.0
+
+# Negative lookups (ENOENT) are cached this long (seconds): short, because a file that
+# appears on the source should appear in the mount soon.
+DEFAULT_NEGATIVE_TTL = 5.0
+
+# RAM tier (bytes): a quarter of physical memory, at most 4 GiB, unless --ram-size says.
+DEFAULT_RAM_FRACTION = 0.25
+DEFAULT_RAM_MAX = 4 * GiB
+
+# NVMe tier (bytes): half of the free space on the cache disk at mount time, at most 64 GiB.
+DEFAULT_DISK_FRACTION = 0.5
+DEFAULT_DISK_MAX = 64 * GiB
+
+# Largest read the kernel sends in one request (bytes): the FUSE maximum on Linux >= 4.20.
+MAX_READ = 1 * MiB
+
+# libfuse worker threads. Each blocks on a source read with the GIL released, so this is
+# the number of misses in flight; 8 DataLoader workers plus kernel read-ahead need > 10.
+FUSE_MAX_THREADS = 32
+
+# Bytes of finished blocks that may wait for the background NVMe writer. A full queue
+# drops the write (the block stays in RAM): a miss never waits for the cache disk.
+DISK_WRITE_QUEUE_BYTES = 64 * MiB
+
+# Metadata entries kept in the daemon (stat results and listings). About 250 bytes each.
+METADATA_MAX_ENTRIES = 500_000
+
+# How long `cachefs mount` waits for the daemon to report the mount ready (seconds).
+MOUNT_READY_TIMEOUT = 30.0
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": KiB, "kb": 1000, "kib": KiB,
+    "m": MiB, "mb": 1000**2, "mib": MiB,
+    "g": GiB, "gb": 1000**3, "gib": GiB,
+    "t": 1024**4, "tb": 1000**4, "tib": 1024**4,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str, what: str = "size") -> int:
+    """Parse '16GiB', '512M', '1.5GB', '4096' into bytes.
+
+    KiB/MiB/GiB/TiB and the bare K/M/G/T are powers of 1024 (as in rclone and dd);
+    KB/MB/GB/TB are powers of 1000. Raises CachefsError on anything else.
+    """
+    m = _SIZE_RE.match(str(text))
+    unit = m.group(2).lower() if m else None
+    if not m or unit not in _UNITS:
+        raise CachefsError(
+            f"invalid {what} {text!r}: expected a number with an optional unit "
+            "(B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB), e.g. 16GiB"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if value != value or value < 0:  # NaN cannot match the regex; kept for clarity
+        raise CachefsError(f"invalid {what} {text!r}: must not be negative")
+    return int(value)
+
+
+def format_size(n: float) -> str:
+    """Human-readable binary size: 1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def parse_duration(text: str, what: str = "duration") -> float:
+    """Parse seconds, optionally with a unit: '30', '1.5s', '10m', '1h'."""
+    m = re.match(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*(ms|s|m|h|)\s*$", str(text))
+    if not m:
+        raise CachefsError(f"invalid {what} {text!r}: expected seconds, e.g. 30, 500ms, 10m or 1h")
+    scale = {"ms": 0.001, "s": 1, "": 1, "m": 60, "h": 3600}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "cachefs")
+
+
+@dataclass
+class Config:
+    """Everything a mount needs; built by the CLI, read by every layer."""
+
+    source: str
+    mountpoint: str
+    cache_dir: str = field(default_factory=default_cache_dir)
+    ram_size: Optional[int] = None  # bytes; None = DEFAULT_RAM_* rule
+    disk_size: Optional[int] = None  # bytes; None = DEFAULT_DISK_* rule; 0 = no NVMe tier
+    block_size: int = DEFAULT_BLOCK_SIZE
+    metadata_ttl: float = DEFAULT_METADATA_TTL
+    negative_ttl: float = DEFAULT_NEGATIVE_TTL
+    foreground: bool = False
+    allow_other: bool = False
+    log_file: Optional[str] = None
+    verbose: int = 0
+    debug_fuse: bool = False
+    zero_message_open: bool = True

@@ -1,0 +1,196 @@
+"""The FUSE adapter: the only module that imports the FUSE binding.
+
+Thin by design: translate the kernel's requests into Core calls, map every exception to an
+errno with errors.to_errno, and answer the control interface (extended attributes of the
+mount root named user.cachefs.*, invisible to readdir and to any file name).
+
+Kernel-side caching does the heavy lifting for a warm epoch:
+  - entry/attr timeouts = --metadata-ttl, so lookups and stats stay in the kernel;
+  - zero-message opens: the first open() returns ENOSYS, which (with FUSE_CAP_NO_OPEN_SUPPORT)
+    tells the kernel to stop sending OPEN, FLUSH and RELEASE for files altogether, and to
+    keep the page cache across opens (FOPEN_KEEP_CACHE is the no-open default). The
+    kernel still drops a file's pages when its attributes show a new size or mtime
+    (FUSE_AUTO_INVAL_DATA), so a changed file is reread;
+  - no ioctl handler: libfuse answers isatty()'s TCGETS without entering Python.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import logging
+import os
+from typing import Any, Callable, Optional
+
+try:
+    import mfusepy as fuse_binding
+except ImportError:  # pragma: no cover - only where just fusepy is installed
+    import fuse as fuse_binding  # type: ignore[no-redef]
+
+from cachefs.config import FUSE_MAX_THREADS, MAX_READ, Config
+from cachefs.core import Core
+from cachefs.errors import to_errno
+
+log = logging.getLogger(__name__)
+
+FuseOSError = fuse_binding.FuseOSError
+
+FUSE_CAP_NO_OPEN_SUPPORT = 1 << 17
+FUSE_CAP_CACHE_SYMLINKS = 1 << 23
+
+# Control interface: getfattr -n user.cachefs.stats MOUNTPOINT
+CONTROL_PREFIX = "user.cachefs."
+XATTR_STATS = CONTROL_PREFIX + "stats"
+XATTR_INFO = CONTROL_PREFIX + "info"
+
+_QUIET_ERRNOS = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.ENOSYS}
+
+
+def _fuse_op(fn: Callable) -> Callable:  # type: ignore[type-arg]
+    """Run one FUSE operation: any exception becomes an errno, never a dead mount."""
+
+    @functools.wraps(fn)
+    def wrapper(self: "CachefsOperations", path: Optional[str], *args: Any) -> Any:
+        self.core.stats.incr(f"fuse.{fn.__name__}")
+        try:
+            return fn(self, path, *args)
+        except FuseOSError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - the mount must survive anything
+            code = to_errno(exc)
+            if code not in _QUIET_ERRNOS:
+                self.core.stats.incr("fuse.errors")
+                log.warning("%s %s: %s (errno %d %s)", fn.__name__, path, exc, code,
+                            errno.errorcode.get(code, "?"), exc_info=log.isEnabledFor(logging.DEBUG))
+            raise FuseOSError(code) from None
+
+    return wrapper
+
+
+def _read_only(self: "CachefsOperations", path: Optional[str], *args: Any) -> Any:
+    raise FuseOSError(errno.EROFS)
+
+
+class CachefsOperations(fuse_binding.Operations):
+    use_ns = True  # times as integer nanoseconds, exactly as the source reports them
+
+    def __init__(self, core: Core, config: Config, on_ready: Optional[Callable[[], None]] = None,
+                 info: Optional[dict] = None):
+        self.core = core
+        self.config = config
+        self.zero_message_open = config.zero_message_open
+        self._on_ready = on_ready
+        self._info = info or {}
+        self._owner = os.getuid()
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def init_with_config(self, conn: Any, config_3: Any) -> None:
+        if config_3 is not None:
+            config_3.entry_timeout = self.config.metadata_ttl
+            config_3.attr_timeout = self.config.metadata_ttl
+            config_3.negative_timeout = self.config.negative_ttl
+        if conn is not None:
+            # libfuse refuses to run if this differs from the max_read mount option.
+            conn.max_read = MAX_READ
+            capable = int(conn.capable)
+            if not capable & FUSE_CAP_NO_OPEN_SUPPORT:
+                self.zero_message_open = False
+            if capable & FUSE_CAP_CACHE_SYMLINKS:
+                conn.want = int(conn.want) | FUSE_CAP_CACHE_SYMLINKS
+        self.core.stats.set_info(zero_message_open=self.zero_message_open)
+        if self._on_ready is not None:
+            self._on_ready()
+
+    def destroy(self, path: str) -> None:
+        self.core.close()
+
+    # -- metadata ------------------------------------------------------------------------
+
+    @_fuse_op
+    def getattr(self, path: str, fh: Any = None) -> dict:
+        return self.core.getattr(path).to_fuse()
+
+    @_fuse_op
+    def readdir(self, path: str, fh: Any) -> list:
+        # (name, mode, 0): the kernel learns each entry's type (d_type) from the listing
+        # itself, so os.scandir()/os.walk() never need a stat per entry.
+        return [".", ".."] + [(e.name, e.type_mode, 0) for e in self.core.readdir(path)]
+
+    @_fuse_op
+    def readlink(self, path: str) -> str:
+        return self.core.readlink(path)
+
+    @_fuse_op
+    def statfs(self, path: str) -> dict:
+        return self.core.statfs()
+
+    # -- data ----------------------------------------------------------------------------
+
+    @_fuse_op
+    def open(self, path: str, fi: Any) -> int:
+        if self.zero_message_open:
+            # ENOSYS here means "success, and do not ask again" (FUSE_CAP_NO_OPEN_SUPPORT).
+            raise FuseOSError(errno.ENOSYS)
+        if fi.flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
+            raise FuseOSError(errno.EROFS)
+        self.core.file_id(path)  # ENOENT/EISDIR now rather than at the first read
+        fi.fh = 0
+        fi.keep_cache = 1
+        return 0
+
+    @_fuse_op
+    def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
+        return self.core.read(path, offset, size)
+
+    # -- extended attributes and the control interface -------------------------------------
+
+    @_fuse_op
+    def getxattr(self, path: str, name: str, *args: Any) -> bytes:
+        if path == "/" and name.startswith(CONTROL_PREFIX):
+            return self._control(name)
+        return self.core.getxattr(path, name)
+
+    @_fuse_op
+    def listxattr(self, path: str) -> list:
+        return self.core.listxattr(path)
+
+    def _control(self, name: str) -> bytes:
+        uid, _gid, _pid = fuse_binding.fuse_get_context()
+        if uid not in (self._owner, 0):
+            raise FuseOSError(errno.EACCES)
+        if name == XATTR_STATS:
+            return json.dumps(self.core.stats.snapshot(), separators=(",", ":")).encode()
+        if name == XATTR_INFO:
+            return json.dumps(dict(self._info, pid=os.getpid())).encode()
+        raise FuseOSError(errno.ENODATA)
+
+    # -- everything that would write: a read-only mirror ------------------------------------
+    chmod = chown = create = mkdir = mknod = rename = rmdir = symlink = link = _read_only
+    truncate = unlink = utimens = write = setxattr = removexattr = _read_only
+
+
+def _escape_opt(value: str) -> str:
+    """Escape a value for libfuse's comma-separated -o list."""
+    return value.replace("\\", "\\\\").replace(",", "\\,")
+
+
+def run_fuse(ops: CachefsOperations, mountpoint: str, config: Config) -> None:
+    """Mount and serve until unmounted or signalled (SIGINT/SIGTERM/SIGHUP: clean unmount)."""
+    options: dict[str, Any] = {
+        "ro": True,
+        # The kernel checks the source's mode bits for every caller, from cached attributes:
+        # EACCES at open() rather than at the first read, and no access() round trips.
+        "default_permissions": True,
+        "fsname": _escape_opt(config.source),
+        "subtype": "cachefs",
+        "max_read": MAX_READ,
+        # Threads block in source reads with the GIL released; libfuse's default of 10
+        # would cap a cold epoch's parallelism below what 8 DataLoader workers ask for.
+        "max_threads": FUSE_MAX_THREADS,
+    }
+    if config.allow_other:
+        options["allow_other"] = True
+    fuse_binding.FUSE(ops, mountpoint, raw_fi=True, foreground=True, nothreads=False,
+                      debug=config.debug_fuse, **options)

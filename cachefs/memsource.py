@@ -1,0 +1,118 @@
+"""An in-memory Source for tests and simulations: counts calls, injects faults.
+
+It implements the same contract as LocalSource (identity checks in read_range included), so
+the core, the tiers and the policies are exercised without a mount or a disk.
+"""
+
+from __future__ import annotations
+
+import errno
+import posixpath
+import stat as stat_mod
+import threading
+import time
+from collections import Counter
+from typing import Callable, Optional
+
+from cachefs.blocks import FileId
+from cachefs.errors import SourceChanged
+from cachefs.source import Attr, DirEntry, check_relpath
+
+
+class MemorySource:
+    def __init__(self, latency: float = 0.0, sleep: Callable[[float], None] = time.sleep):
+        self._nodes: dict[str, tuple[Attr, object]] = {}
+        self._lock = threading.Lock()
+        self.calls: Counter[str] = Counter()
+        self.bytes_read = 0
+        self.faults: dict[tuple[str, str], int] = {}  # (op, path) -> errno
+        self.latency = latency
+        self._sleep = sleep
+        self._clock_ns = 1_700_000_000 * 10**9
+        self.add_dir("/")
+
+    # -- building the tree -------------------------------------------------------------
+
+    def _tick(self) -> int:
+        self._clock_ns += 1_000_000
+        return self._clock_ns
+
+    def _put(self, path: str, mode: int, payload: object, size: int, mtime_ns: Optional[int]) -> None:
+        path = "/" + check_relpath(path)
+        parent = posixpath.dirname(path)
+        if path != "/" and parent not in self._nodes:
+            self.add_dir(parent)
+        t = self._tick() if mtime_ns is None else mtime_ns
+        self._nodes[path] = (Attr(mode, 1, 0, 0, size, t, t, t, (size + 511) // 512), payload)
+
+    def add_dir(self, path: str, mode: int = 0o755) -> None:
+        self._put(path, stat_mod.S_IFDIR | mode, None, 0, None)
+
+    def add_file(self, path: str, data: bytes, mode: int = 0o644, mtime_ns: Optional[int] = None) -> None:
+        self._put(path, stat_mod.S_IFREG | mode, bytes(data), len(data), mtime_ns)
+
+    def add_symlink(self, path: str, target: str) -> None:
+        self._put(path, stat_mod.S_IFLNK | 0o777, target, len(target), None)
+
+    def remove(self, path: str) -> None:
+        del self._nodes[path]
+
+    # -- the Source interface ----------------------------------------------------------
+
+    def _enter(self, op: str, path: str) -> tuple[Attr, object]:
+        with self._lock:
+            self.calls[op] += 1
+        if self.latency:
+            self._sleep(self.latency)
+        path = "/" + check_relpath(path)
+        err = self.faults.get((op, path)) or self.faults.get((op, "*"))
+        if err:
+            raise OSError(err, "injected fault", path)
+        try:
+            return self._nodes[path]
+        except KeyError:
+            raise FileNotFoundError(errno.ENOENT, "no such file", path) from None
+
+    def stat(self, path: str) -> Attr:
+        return self._enter("stat", path)[0]
+
+    def listdir(self, path: str) -> list[DirEntry]:
+        attr, _ = self._enter("listdir", path)
+        if not attr.is_dir:
+            raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
+        prefix = path.rstrip("/") + "/"
+        return [DirEntry(p[len(prefix):], stat_mod.S_IFMT(a.mode))
+                for p, (a, _) in sorted(self._nodes.items())
+                if p.startswith(prefix) and p != "/" and "/" not in p[len(prefix):]]
+
+    def read_range(self, fid: FileId, offset: int, size: int) -> bytes:
+        attr, data = self._enter("read_range", fid.path)
+        if not attr.is_file:
+            raise IsADirectoryError(errno.EISDIR, "not a file", fid.path)
+        if attr.size != fid.size or attr.mtime_ns != fid.mtime_ns or offset + size > attr.size:
+            raise SourceChanged(fid.path)
+        assert isinstance(data, bytes)
+        with self._lock:
+            self.bytes_read += size
+        return data[offset:offset + size]
+
+    def readlink(self, path: str) -> str:
+        attr, target = self._enter("readlink", path)
+        if not stat_mod.S_ISLNK(attr.mode):
+            raise OSError(errno.EINVAL, "not a symlink", path)
+        assert isinstance(target, str)
+        return target
+
+    def statfs(self) -> dict:
+        with self._lock:
+            self.calls["statfs"] += 1
+        return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 1000, "f_bfree": 500, "f_bavail": 400,
+                "f_files": 100, "f_ffree": 50, "f_favail": 50, "f_namemax": 255}
+
+    def getxattr(self, path: str, name: str) -> bytes:
+        self._enter("getxattr", path)
+        raise OSError(errno.ENODATA, "no such attribute", path)
+
+    def listxattr(self, path: str) -> list[str]:
+        self._enter("listxattr", path)
+        return []

@@ -1,0 +1,183 @@
+"""The slow directory, behind a narrow interface: stat, listdir, read_range, readlink, statfs.
+
+Everything the core knows about the source goes through `Source`, so tests use
+`cachefs.memsource.MemorySource` (in memory, counts calls, injects faults) instead.
+`LocalSource` never writes, never follows a symlink itself, and never leaves its root.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat as stat_mod
+from typing import NamedTuple, Protocol
+
+from cachefs.blocks import FileId
+from cachefs.errors import SourceChanged
+
+
+class Attr(NamedTuple):
+    """The stat fields cachefs mirrors; times in nanoseconds."""
+
+    mode: int
+    nlink: int
+    uid: int
+    gid: int
+    size: int
+    atime_ns: int
+    mtime_ns: int
+    ctime_ns: int
+    blocks: int = 0
+    rdev: int = 0
+
+    @classmethod
+    def from_stat(cls, st: os.stat_result) -> "Attr":
+        return cls(st.st_mode, st.st_nlink, st.st_uid, st.st_gid, st.st_size,
+                   st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_blocks, st.st_rdev)
+
+    def to_fuse(self) -> dict:
+        """The dict mfusepy fills `struct stat` from (times in ns: Operations.use_ns)."""
+        return {
+            "st_mode": self.mode, "st_nlink": self.nlink, "st_uid": self.uid, "st_gid": self.gid,
+            "st_size": self.size, "st_atime": self.atime_ns, "st_mtime": self.mtime_ns,
+            "st_ctime": self.ctime_ns, "st_blocks": self.blocks, "st_rdev": self.rdev,
+            "st_blksize": 1 << 20,
+        }
+
+    @property
+    def is_file(self) -> bool:
+        return stat_mod.S_ISREG(self.mode)
+
+    @property
+    def is_dir(self) -> bool:
+        return stat_mod.S_ISDIR(self.mode)
+
+
+class DirEntry(NamedTuple):
+    name: str
+    type_mode: int  # only the S_IFMT bits: what readdir reports as d_type
+
+
+class Source(Protocol):
+    """What cachefs needs from a slow store. Paths are absolute within the source ('/a/b')."""
+
+    def stat(self, path: str) -> Attr: ...
+
+    def listdir(self, path: str) -> list[DirEntry]: ...
+
+    def read_range(self, fid: FileId, offset: int, size: int) -> bytes:
+        """Return exactly `size` bytes at `offset` of the file whose identity is `fid`.
+
+        Raises SourceChanged when the file is no longer that version (other size or mtime),
+        so a block of one version is never stored under another version's key.
+        """
+        ...
+
+    def readlink(self, path: str) -> str: ...
+
+    def statfs(self) -> dict: ...
+
+    def getxattr(self, path: str, name: str) -> bytes: ...
+
+    def listxattr(self, path: str) -> list[str]: ...
+
+
+def check_relpath(path: str) -> str:
+    """Validate a source-relative path from FUSE or a caller; return it without the leading '/'.
+
+    The kernel never sends '..' or empty components, but the core is also called directly
+    (tests, tools, the control interface), so a path that could escape the root is refused.
+    """
+    if not path.startswith("/") or "\0" in path:
+        raise OSError(errno.EINVAL, "invalid path", path)
+    rel = path.strip("/")
+    if rel and any(part in ("", ".", "..") for part in rel.split("/")):
+        raise OSError(errno.EINVAL, "invalid path component", path)
+    return rel
+
+
+class LocalSource:
+    """A directory reachable through the local VFS (NFS, SMB, sshfs, HDD, another FUSE)."""
+
+    def __init__(self, root: str):
+        self.root = os.path.realpath(root)
+        # O_NOATIME keeps reads from writing atime to the source; it is only allowed for
+        # the file's owner (or root), so fall back without it on EPERM.
+        self._noatime = getattr(os, "O_NOATIME", 0)
+
+    def _full(self, path: str) -> str:
+        rel = check_relpath(path)
+        return os.path.join(self.root, rel) if rel else self.root
+
+    def stat(self, path: str) -> Attr:
+        return Attr.from_stat(os.lstat(self._full(path)))
+
+    def listdir(self, path: str) -> list[DirEntry]:
+        out = []
+        with os.scandir(self._full(path)) as it:
+            for entry in it:
+                try:
+                    # d_type from the directory itself: no per-entry stat on the source.
+                    if entry.is_symlink():
+                        kind = stat_mod.S_IFLNK
+                    elif entry.is_dir(follow_symlinks=False):
+                        kind = stat_mod.S_IFDIR
+                    elif entry.is_file(follow_symlinks=False):
+                        kind = stat_mod.S_IFREG
+                    else:
+                        kind = stat_mod.S_IFMT(entry.stat(follow_symlinks=False).st_mode)
+                except OSError:
+                    kind = 0  # vanished while listing: report it, a lookup will say ENOENT
+                out.append(DirEntry(entry.name, kind))
+        return out
+
+    def _open(self, full: str) -> int:
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+        if self._noatime:
+            try:
+                return os.open(full, flags | self._noatime)
+            except PermissionError:
+                self._noatime = 0
+        return os.open(full, flags)
+
+    def read_range(self, fid: FileId, offset: int, size: int) -> bytes:
+        fd = self._open(self._full(fid.path))
+        try:
+            self._check(fd, fid)
+            chunks = []
+            done = 0
+            while done < size:
+                chunk = os.pread(fd, size - done, offset + done)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                done += len(chunk)
+            # A second check catches a rewrite that raced with the pread above.
+            self._check(fd, fid)
+        finally:
+            os.close(fd)
+        if done != size:
+            raise SourceChanged(fid.path)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    @staticmethod
+    def _check(fd: int, fid: FileId) -> None:
+        st = os.fstat(fd)
+        if st.st_size != fid.size or st.st_mtime_ns != fid.mtime_ns:
+            raise SourceChanged(fid.path)
+
+    def readlink(self, path: str) -> str:
+        # Returned as stored: the link is passed through, never resolved by cachefs.
+        return os.readlink(self._full(path))
+
+    def statfs(self) -> dict:
+        st = os.statvfs(self.root)
+        keys = ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
+                "f_files", "f_ffree", "f_favail", "f_namemax")
+        return {k: getattr(st, k) for k in keys}
+
+    def getxattr(self, path: str, name: str) -> bytes:
+        return os.getxattr(self._full(path), name, follow_symlinks=False)
+
+    def listxattr(self, path: str) -> list[str]:
+        return os.listxattr(self._full(path), follow_symlinks=False)

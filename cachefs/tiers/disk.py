@@ -1,0 +1,169 @@
+"""The NVMe tier: checksummed blocks in a diskcache.Cache under the cache dir.
+
+Each value is `checksum.encode_block(key, data)`; a get verifies it and treats any failure
+(bad header, bad checksum, I/O error, SQLite error) as a counted miss, deleting the entry.
+
+Writes go through one background thread with a byte-bounded queue: a read that missed
+returns as soon as the source answered, never after an fsync on the cache disk, and a full
+queue drops the write (the block is still in RAM). That writer is also the only thing that
+grows the cache, which is what makes the budget exact: before each write it culls the
+oldest entries until `volume + blob <= capacity`, where volume is diskcache's own account
+of the database pages plus the value files.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from typing import Optional
+
+import diskcache
+
+from cachefs.checksum import HEADER_SIZE, decode_block, encode_block
+from cachefs.config import DISK_WRITE_QUEUE_BYTES
+from cachefs.errors import ChecksumError
+from cachefs.stats import Stats
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class DiskTier:
+    name = "disk"
+
+    def __init__(self, directory: str, capacity: int, stats: Optional[Stats] = None,
+                 queue_bytes: int = DISK_WRITE_QUEUE_BYTES):
+        self._dir = directory
+        self._capacity = int(capacity)
+        self._stats = stats or Stats()
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        os.chmod(directory, 0o700)
+        self._cache = diskcache.Cache(
+            directory,
+            size_limit=self._capacity,
+            # No write on a hit: 'least-recently-used' would turn every read into a
+            # SQLite write transaction. Issue #4 brings epoch-aware policies.
+            eviction_policy="least-recently-stored",
+            cull_limit=0,  # we cull ourselves, before a write, so the budget is never exceeded
+            statistics=False,
+        )
+        self._queue: queue.Queue = queue.Queue()
+        self._queued_bytes = 0
+        self._queue_limit = queue_bytes
+        self._qlock = threading.Lock()
+        self._writer = threading.Thread(target=self._write_loop, name="cachefs-disk-writer", daemon=True)
+        self._writer.start()
+        self._stats.gauge("disk.used_bytes", self._volume)
+        self._stats.gauge("disk.capacity_bytes", lambda: self._capacity)
+        self._stats.gauge("disk.entries", self._len)
+
+    @property
+    def directory(self) -> str:
+        return self._dir
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._volume()
+
+    def _volume(self) -> int:
+        return int(self._cache.volume())
+
+    def _len(self) -> int:
+        return len(self._cache)
+
+    def get(self, key: bytes) -> Optional[bytes]:
+        try:
+            blob = self._cache.get(key, default=None, read=False, retry=True)
+        except Exception as exc:
+            self._stats.incr("disk.errors")
+            log.warning("cache disk read failed (%s); serving from the source", exc)
+            return None
+        if blob is None:
+            return None
+        try:
+            return decode_block(key, blob)
+        except ChecksumError as exc:
+            self._stats.incr("disk.checksum_failures")
+            log.warning("cached block failed verification (%s); dropping it and refetching", exc)
+            self.discard(key)
+            return None
+
+    def put(self, key: bytes, data: bytes) -> bool:
+        """Queue `data` for writing; False if the queue is full (the write is dropped)."""
+        size = len(data)
+        with self._qlock:
+            if self._queued_bytes + size > self._queue_limit:
+                self._stats.incr("disk.dropped_writes")
+                return False
+            self._queued_bytes += size
+        self._queue.put((key, data))
+        return True
+
+    def put_now(self, key: bytes, data: bytes) -> bool:
+        """Write synchronously (used by the writer thread and by tests)."""
+        blob = encode_block(key, data)
+        if len(blob) > self._capacity:
+            return False
+        try:
+            if self._cache.volume() + len(blob) > self._capacity:
+                self._make_room(len(blob))
+            self._cache.set(key, blob, retry=True)
+            # The write itself may have grown the database by a page; trim back under budget.
+            if self._cache.volume() > self._capacity:
+                self._make_room(0)
+        except Exception as exc:
+            self._stats.incr("disk.errors")
+            log.warning("cache disk write failed (%s); continuing without caching this block", exc)
+            return False
+        self._stats.incr("disk.writes")
+        self._stats.incr("disk.written_bytes", len(data))
+        return True
+
+    def _make_room(self, need: int) -> None:
+        target = max(0, self._capacity - need)
+        self._cache.reset("size_limit", target, update=False)  # in memory only: no DB write
+        evicted = self._cache.cull(retry=True)
+        if evicted:
+            self._stats.incr("disk.evictions", evicted)
+
+    def discard(self, key: bytes) -> None:
+        try:
+            self._cache.delete(key, retry=True)
+        except Exception as exc:
+            log.warning("cache disk delete failed (%s)", exc)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._cache
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                key, data = item
+                self.put_now(key, data)
+                with self._qlock:
+                    self._queued_bytes -= len(data)
+            finally:
+                self._queue.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued write is on disk (or dropped after an error)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        if self._writer.is_alive():
+            self._queue.put(_STOP)
+            self._writer.join()
+        self._cache.close()
+
+
+__all__ = ["DiskTier", "HEADER_SIZE"]

@@ -1,0 +1,65 @@
+"""RAM in front of NVMe: a read is served RAM -> NVMe -> (caller fetches from the source).
+
+An NVMe hit is promoted into RAM; a fetched block is put into both (NVMe asynchronously).
+Issue #4 replaces the "admit everything, LRU" rule with per-tier policies.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from cachefs.stats import Stats
+from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.memory import MemoryTier
+
+
+class MultiLevelCache:
+    def __init__(self, ram: MemoryTier, disk: Optional[DiskTier], stats: Stats):
+        self.ram = ram
+        self.disk = disk
+        self._stats = stats
+
+    def get(self, key: bytes) -> tuple[Optional[bytes], str]:
+        """(data, tier that served it: "ram" | "disk"), or (None, "miss")."""
+        data = self.get_ram(key)
+        if data is not None:
+            return data, "ram"
+        data = self.get_disk(key)
+        return (data, "disk") if data is not None else (None, "miss")
+
+    def get_ram(self, key: bytes) -> Optional[bytes]:
+        data = self.ram.get(key)
+        self._stats.incr("ram.hits" if data is not None else "ram.misses")
+        return data
+
+    def get_disk(self, key: bytes) -> Optional[bytes]:
+        """Look a block up on NVMe; a hit is promoted into RAM."""
+        if self.disk is None:
+            return None
+        data = self.disk.get(key)
+        if data is None:
+            self._stats.incr("disk.misses")
+            return None
+        self._stats.incr("disk.hits")
+        if self.ram.put(key, data):
+            self._stats.incr("ram.promotions")
+        return data
+
+    def put(self, key: bytes, data: bytes) -> None:
+        self.ram.put(key, data)
+        if self.disk is not None:
+            self.disk.put(key, data)
+
+    def discard(self, key: bytes) -> None:
+        self.ram.discard(key)
+        if self.disk is not None:
+            self.disk.discard(key)
+
+    def flush(self) -> None:
+        if self.disk is not None:
+            self.disk.flush()
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+        self.ram.close()
