@@ -69,6 +69,8 @@ def parse_size(text: str, what: str = "size") -> int:
     KiB/MiB/GiB/TiB and the bare K/M/G/T are powers of 1024 (as in rclone and dd);
     KB/MB/GB/TB are powers of 1000. Raises CachefsError on anything else.
     """
+    if str(text).strip().startswith("-"):
+        raise CachefsError(f"invalid {what} {text!r}: must not be negative")
     m = _SIZE_RE.match(str(text))
     unit = m.group(2).lower() if m else None
     if not m or unit not in _UNITS:
@@ -76,10 +78,7 @@ def parse_size(text: str, what: str = "size") -> int:
             f"invalid {what} {text!r}: expected a number with an optional unit "
             "(B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB), e.g. 16GiB"
         )
-    value = float(m.group(1)) * _UNITS[unit]
-    if value != value or value < 0:  # NaN cannot match the regex; kept for clarity
-        raise CachefsError(f"invalid {what} {text!r}: must not be negative")
-    return int(value)
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def format_size(n: float) -> str:

@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -186,16 +187,9 @@ def validate(config: Config, clean_stale: bool = True) -> list[str]:
     if os.path.exists(cache):
         if not os.path.isdir(cache):
             raise CachefsError(f"cache dir {config.cache_dir!r} is not a directory")
-        if not os.access(cache, os.W_OK | os.X_OK):
-            raise CachefsError(f"cache dir {config.cache_dir!r} is not writable by this user")
         if os.stat(cache).st_uid != os.getuid():
             raise CachefsError(f"cache dir {config.cache_dir!r} belongs to another user; "
                                "it holds copies of data, so cachefs only uses its own")
-    else:
-        parent = _nearest_existing(os.path.dirname(cache))
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise CachefsError(f"cannot create cache dir {config.cache_dir!r}: {parent} is not writable")
-
     if not 4096 <= config.block_size <= 256 << 20 or config.block_size % 4096:
         raise CachefsError(f"block size {config.block_size} must be a multiple of 4 KiB between 4 KiB and 256 MiB")
     if config.metadata_ttl < 0 or config.negative_ttl < 0:
@@ -215,9 +209,24 @@ def validate(config: Config, clean_stale: bool = True) -> list[str]:
     if not os.path.exists("/dev/fuse"):
         raise CachefsError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run with --device /dev/fuse")
     _fusermount()
+    _probe_cache_dir(cache)  # last: the only check that may write (it creates the cache dir)
 
     config.source, config.mountpoint, config.cache_dir = src, mp, cache
     return notices
+
+
+def _probe_cache_dir(cache: str) -> None:
+    """Create the cache dir if needed and prove a file can be written in it.
+
+    os.access() is not enough: it says yes to root on a read-only file system.
+    """
+    try:
+        os.makedirs(cache, mode=0o700, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe-", dir=cache)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise CachefsError(f"cache dir {cache} is not writable: {exc.strerror}") from None
 
 
 def _user_allow_other() -> bool:

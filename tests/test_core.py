@@ -1,0 +1,203 @@
+import errno
+import random
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cachefs.blocks import FileId
+from cachefs.memsource import MemorySource
+from tests.conftest import make_core
+
+BS = 64 << 10
+
+
+def blob(n, seed=0):
+    return random.Random(seed).randbytes(n)
+
+
+def test_reads_match_source_and_second_read_touches_nothing(source):
+    data = blob(300_000)
+    source.add_file("/d/big.bin", data)
+    core = make_core(source, block_size=BS)
+    assert core.read("/d/big.bin", 0, len(data)) == data
+    assert source.calls["read_range"] == 5  # 300_000 bytes / 64 KiB blocks
+    calls = dict(source.calls)
+    assert core.read("/d/big.bin", 0, len(data)) == data
+    assert core.read("/d/big.bin", 1000, 70_000) == data[1000:71_000]
+    assert dict(source.calls) == calls
+    assert core.stats.get("ram.served_bytes") == len(data) + 70_000
+    assert core.stats.get("source.served_bytes") == len(data)
+
+
+def test_small_file_is_one_block_and_one_source_read(source):
+    source.add_file("/a.jpg", blob(5000))
+    core = make_core(source, block_size=BS)
+    for off in range(0, 5000, 512):
+        core.read("/a.jpg", off, 512)
+    assert source.calls["read_range"] == 1
+    assert source.bytes_read == 5000
+
+
+def test_empty_file_and_reads_past_eof(source):
+    source.add_file("/empty", b"")
+    source.add_file("/f", b"abc")
+    core = make_core(source)
+    assert core.read("/empty", 0, 100) == b""
+    assert core.read("/f", 3, 10) == b""
+    assert core.read("/f", 100, 10) == b""
+    assert core.read("/f", 1, 100) == b"bc"
+    assert source.calls["read_range"] == 1
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.integers(0, 5 * BS + 17), reads=st.lists(st.tuples(st.integers(0, 6 * BS), st.integers(0, 3 * BS)),
+                                                        min_size=1, max_size=20))
+def test_random_reads_equal_plain_bytes(size, reads):
+    src = MemorySource()
+    data = blob(size, seed=size)
+    src.add_file("/f", data)
+    core = make_core(src, block_size=BS, ram=3 * BS)  # small RAM: evictions happen too
+    for off, n in reads:
+        assert core.read("/f", off, n) == data[off:off + n]
+
+
+def test_metadata_is_cached_for_the_ttl(source, clock):
+    source.add_file("/f", b"x")
+    core = make_core(source, clock=clock, metadata_ttl=10)
+    core.getattr("/f")
+    core.getattr("/f")
+    assert source.calls["stat"] == 1
+    clock.advance(11)
+    core.getattr("/f")
+    assert source.calls["stat"] == 2
+
+
+def test_negative_entries_expire_sooner(source, clock):
+    core = make_core(source, clock=clock, metadata_ttl=100, negative_ttl=5)
+    for _ in range(3):
+        with pytest.raises(FileNotFoundError):
+            core.getattr("/later")
+    assert source.calls["stat"] == 1
+    source.add_file("/later", b"now")
+    clock.advance(6)
+    assert core.getattr("/later").size == 3
+
+
+def test_readdir_is_cached_and_reports_types(source, clock):
+    source.add_file("/d/a.jpg", b"1")
+    source.add_dir("/d/sub")
+    source.add_symlink("/d/ln", "a.jpg")
+    core = make_core(source, clock=clock)
+    entries = {e.name: e.type_mode for e in core.readdir("/d")}
+    import stat
+    assert entries == {"a.jpg": stat.S_IFREG, "sub": stat.S_IFDIR, "ln": stat.S_IFLNK}
+    core.readdir("/d")
+    assert source.calls["listdir"] == 1
+
+
+def test_changed_file_is_never_served_from_its_old_copy(source, clock):
+    source.add_file("/f", b"old contents", mtime_ns=1)
+    core = make_core(source, clock=clock, metadata_ttl=10)
+    assert core.read("/f", 0, 100) == b"old contents"
+    source.add_file("/f", b"NEW contents!", mtime_ns=2)
+    clock.advance(11)  # metadata expires: the new identity is seen
+    assert core.read("/f", 0, 100) == b"NEW contents!"
+    # same size, new mtime: still a different file
+    source.add_file("/f", b"NEW contents?", mtime_ns=3)
+    clock.advance(11)
+    assert core.read("/f", 0, 100) == b"NEW contents?"
+
+
+def test_change_under_a_stale_identity_is_estale_not_wrong_bytes(source, clock):
+    source.add_file("/f", b"a" * 10, mtime_ns=1)
+    core = make_core(source, clock=clock, metadata_ttl=10)
+    core.getattr("/f")                      # identity cached, block not yet read
+    source.add_file("/f", b"b" * 10, mtime_ns=2)
+    with pytest.raises(OSError) as info:
+        core.read("/f", 0, 10)
+    assert info.value.errno == errno.ESTALE
+    assert core.stats.get("source.changed") == 1
+    assert core.read("/f", 0, 10) == b"b" * 10   # metadata was refreshed
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.EACCES, errno.ESTALE, errno.ENOENT])
+def test_source_errors_reach_the_caller_as_their_errno(source, err):
+    source.add_file("/f", b"data")
+    source.faults[("read_range", "/f")] = err
+    core = make_core(source)
+    with pytest.raises(OSError) as info:
+        core.read("/f", 0, 4)
+    assert info.value.errno == err
+    del source.faults[("read_range", "/f")]
+    assert core.read("/f", 0, 4) == b"data"   # nothing bad was cached
+
+
+def test_reading_a_directory_is_eisdir(source):
+    source.add_dir("/d")
+    with pytest.raises(IsADirectoryError):
+        make_core(source).read("/d", 0, 1)
+
+
+def test_paths_that_escape_are_refused(source):
+    core = make_core(source)
+    for bad in ("/../etc/passwd", "/a/../../x", "relative", "/a\0b"):
+        with pytest.raises(OSError) as info:
+            core.getattr(bad)
+        assert info.value.errno == errno.EINVAL
+
+
+def test_concurrent_misses_of_one_block_fetch_it_once():
+    release = threading.Event()
+
+    class SlowSource(MemorySource):
+        def read_range(self, fid, offset, size):
+            release.wait(5)
+            return super().read_range(fid, offset, size)
+
+    src = SlowSource()
+    data = blob(BS)
+    src.add_file("/f", data)
+    core = make_core(src, block_size=BS)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(core.read("/f", 0, BS))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    while core.stats.get("reads.inflight_waits") < 7:
+        threading.Event().wait(0.001)
+    release.set()
+    for t in threads:
+        t.join()
+    assert results == [data] * 8
+    assert src.calls["read_range"] == 1
+
+
+def test_a_failed_fetch_is_reported_to_every_waiter_and_not_cached(source):
+    source.add_file("/f", b"x" * 10)
+    source.faults[("read_range", "/f")] = errno.EIO
+    core = make_core(source)
+    with pytest.raises(OSError):
+        core.read("/f", 0, 10)
+    assert core._inflight == {}
+
+
+def test_disk_tier_serves_a_fresh_core_without_the_source(tmp_path, source):
+    from cachefs.stats import Stats
+    from cachefs.tiers.disk import DiskTier
+
+    data = blob(200_000)
+    source.add_file("/f", data)
+    d1 = DiskTier(str(tmp_path), 10 << 20, Stats())
+    core = make_core(source, disk=d1, block_size=BS)
+    core.read("/f", 0, len(data))
+    d1.flush()
+    d1.close()
+    fid = FileId("/f", len(data), source.stat("/f").mtime_ns)
+    d2 = DiskTier(str(tmp_path), 10 << 20, Stats())
+    core2 = make_core(source, disk=d2, block_size=BS)
+    before = source.calls["read_range"]
+    assert core2.read("/f", 0, len(data), fid=fid) == data
+    assert source.calls["read_range"] == before
+    assert core2.stats.get("disk.hits") == 4
+    d2.close()

@@ -1,0 +1,154 @@
+import os
+import random
+
+import pytest
+
+from cachefs.checksum import encode_block
+from cachefs.stats import Stats
+from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.memory import MemoryTier
+from cachefs.tiers.multilevel import MultiLevelCache
+
+
+def check_memory_invariants(tier: MemoryTier):
+    entries = tier._entries
+    assert tier.used_bytes == sum(len(v) for v in entries.values())
+    assert tier.used_bytes <= tier.capacity
+
+
+def test_memory_tier_lru_and_budget():
+    stats = Stats()
+    t = MemoryTier(100, stats)
+    assert t.put(b"a", b"x" * 40) and t.put(b"b", b"y" * 40)
+    assert t.get(b"a") == b"x" * 40            # a is now most recent
+    assert t.put(b"c", b"z" * 40)              # evicts b, the least recent
+    assert t.get(b"b") is None and t.get(b"a") is not None and t.get(b"c") is not None
+    assert stats.get("ram.evictions") == 1
+    check_memory_invariants(t)
+
+
+def test_memory_tier_refuses_oversized_block_without_evicting():
+    t = MemoryTier(100)
+    t.put(b"a", b"x" * 60)
+    assert not t.put(b"big", b"y" * 101)
+    assert t.get(b"a") == b"x" * 60
+    check_memory_invariants(t)
+
+
+def test_memory_tier_invariants_under_random_operations():
+    rng = random.Random(7)
+    t = MemoryTier(1000)
+    for _ in range(3000):
+        key = b"k%d" % rng.randrange(50)
+        op = rng.random()
+        if op < 0.6:
+            t.put(key, b"v" * rng.randrange(0, 400))
+        elif op < 0.9:
+            t.get(key)
+        else:
+            t.discard(key)
+        check_memory_invariants(t)
+
+
+@pytest.fixture
+def disk(tmp_path):
+    tiers = []
+
+    def make(capacity=10 << 20, stats=None):
+        t = DiskTier(str(tmp_path / "blocks"), capacity, stats or Stats())
+        tiers.append(t)
+        return t
+
+    yield make
+    for t in tiers:
+        t.close()
+
+
+def test_disk_tier_roundtrip_and_persistence(disk, tmp_path):
+    t = disk()
+    t.put(b"k1", b"hello")
+    t.put(b"k2", b"x" * 100_000)  # stored as a separate file by diskcache
+    t.flush()
+    t.close()
+    t2 = disk()
+    assert t2.get(b"k1") == b"hello"
+    assert t2.get(b"k2") == b"x" * 100_000
+    assert t2.get(b"nope") is None
+
+
+def test_disk_tier_detects_corruption_counts_and_drops(disk, tmp_path):
+    stats = Stats()
+    t = disk(stats=stats)
+    t.put_now(b"k", b"A" * 100_000)
+    files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "blocks") for f in fs if f.endswith(".val")]
+    assert len(files) == 1
+    with open(files[0], "r+b") as f:
+        f.seek(50_000)
+        f.write(b"B")
+    assert t.get(b"k") is None
+    assert stats.get("disk.checksum_failures") == 1
+    assert b"k" not in t            # the bad entry is gone: the next read refetches
+    assert t.get(b"k") is None
+    assert stats.get("disk.checksum_failures") == 1
+
+
+def test_disk_tier_blob_stored_under_wrong_key_is_a_miss(disk):
+    stats = Stats()
+    t = disk(stats=stats)
+    t._cache.set(b"k2", encode_block(b"k1", b"data"))
+    assert t.get(b"k2") is None
+    assert stats.get("disk.checksum_failures") == 1
+
+
+def test_disk_tier_never_exceeds_capacity(disk):
+    cap = 2 << 20
+    t = disk(capacity=cap)
+    rng = random.Random(1)
+    for i in range(200):
+        t.put_now(b"k%d" % i, rng.randbytes(rng.randrange(1000, 200_000)))
+        assert t.used_bytes <= cap
+    assert t.used_bytes > cap // 2       # and it is actually used
+    assert t.get(b"k199") is not None    # the newest survives
+
+
+def test_disk_tier_files_are_private(disk, tmp_path):
+    old = os.umask(0o077)
+    try:
+        t = disk()
+        t.put_now(b"k", b"x" * 100_000)
+    finally:
+        os.umask(old)
+    root = tmp_path / "blocks"
+    assert os.stat(root).st_mode & 0o777 == 0o700
+    for r, dirs, files in os.walk(root):
+        for f in files:
+            assert os.stat(os.path.join(r, f)).st_mode & 0o077 == 0, f
+
+
+def test_disk_tier_io_error_is_a_miss(disk):
+    stats = Stats()
+    t = disk(stats=stats)
+    t.put_now(b"k", b"x")
+
+    class Broken:
+        def get(self, *a, **k):
+            raise OSError(5, "EIO")
+
+    t._cache, real = Broken(), t._cache
+    try:
+        assert t.get(b"k") is None
+        assert stats.get("disk.errors") == 1
+    finally:
+        t._cache = real
+
+
+def test_multilevel_promotes_disk_hits_into_ram(disk):
+    stats = Stats()
+    d = disk(stats=stats)
+    d.put_now(b"k", b"data")
+    cache = MultiLevelCache(MemoryTier(1000, stats), d, stats)
+    assert cache.get(b"k") == (b"data", "disk")
+    assert cache.get(b"k") == (b"data", "ram")
+    assert stats.get("ram.promotions") == 1
+    assert stats.get("disk.hits") == 1 and stats.get("ram.hits") == 1
+    assert cache.get(b"missing") == (None, "miss")
