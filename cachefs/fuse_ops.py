@@ -83,6 +83,7 @@ class CachefsOperations(fuse_binding.Operations):
         self._on_ready = on_ready
         self._info = info or {}
         self._owner = os.getuid()
+        self.was_mounted = False
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -100,6 +101,7 @@ class CachefsOperations(fuse_binding.Operations):
             if capable & FUSE_CAP_CACHE_SYMLINKS:
                 conn.want = int(conn.want) | FUSE_CAP_CACHE_SYMLINKS
         self.core.stats.set_info(zero_message_open=self.zero_message_open)
+        self.was_mounted = True
         if self._on_ready is not None:
             self._on_ready()
 
@@ -111,6 +113,12 @@ class CachefsOperations(fuse_binding.Operations):
     @_fuse_op
     def getattr(self, path: str, fh: Any = None) -> dict:
         return self.core.getattr(path).to_fuse()
+
+    @_fuse_op
+    def opendir(self, path: str) -> int:
+        if not self.core.getattr(path).is_dir:
+            raise FuseOSError(errno.ENOTDIR)
+        return 0
 
     @_fuse_op
     def readdir(self, path: str, fh: Any) -> list:
@@ -192,5 +200,13 @@ def run_fuse(ops: CachefsOperations, mountpoint: str, config: Config) -> None:
     }
     if config.allow_other:
         options["allow_other"] = True
-    fuse_binding.FUSE(ops, mountpoint, raw_fi=True, foreground=True, nothreads=False,
-                      debug=config.debug_fuse, **options)
+    try:
+        fuse_binding.FUSE(ops, mountpoint, raw_fi=True, foreground=True, nothreads=False,
+                          debug=config.debug_fuse, **options)
+    except RuntimeError as exc:
+        # fuse_main() returns 8 when its loop ended on SIGINT/SIGTERM/SIGHUP (libfuse >= 3.x
+        # records the signal as the session's error) - after a clean unmount. Only a
+        # failure to mount or a real loop error is an error.
+        if exc.args != (8,) or not ops.was_mounted:
+            raise RuntimeError(f"libfuse failed (fuse_main returned {exc.args[0]}); see the log above") from None
+        log.info("unmounted %s after a signal", mountpoint)

@@ -103,8 +103,10 @@ def fusermount_unmount(mountpoint: str, lazy: bool = False) -> subprocess.Comple
 
 
 def is_stale(mountpoint: str) -> bool:
+    """A FUSE mount whose daemon is gone. statfs, because the kernel never caches it:
+    stat() of a dead mount's root can still succeed from the attribute cache."""
     try:
-        os.stat(mountpoint)
+        os.statvfs(mountpoint)
     except OSError as exc:
         return exc.errno == errno.ENOTCONN
     return False

@@ -1,0 +1,425 @@
+"""Mounted tests: bytes, metadata, errors, persistence and lifecycle against the source."""
+
+import errno
+import hashlib
+import os
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.fuse.conftest import ROOT, Mounts, cli, is_mounted, stats
+from tools.slowfs import read_stats as slowfs_stats
+from tools.slowfs import reset_stats as slowfs_reset
+
+GiB = 1 << 30
+SPARSE_SIZE = 5 * GiB
+SPARSE_MARKS = {0: b"start", 2**31 - 3: b"across-2GiB", 2**32 - 5: b"across-4GiB", SPARSE_SIZE - 4: b"end!"}
+LONG_NAME = "L" * 255
+
+
+def build_zoo(root):
+    """A source tree with everything a mirror can get wrong."""
+    os.makedirs(root)
+    j = lambda *p: os.path.join(root, *p)  # noqa: E731
+    os.makedirs(j("données", "über"))
+    with open(j("données", "über", "日本語.txt"), "w", encoding="utf-8") as f:
+        f.write("unicode ✓\n")
+    for name in ("with space", "semi;colon", "#hash", "%percent", "quote'\"", "new\nline", "tab\tname",
+                 "-rf", "emoji_😀.bin", LONG_NAME, ".hidden"):
+        with open(j(name), "wb") as f:
+            f.write(name.encode("utf-8") * 3)
+    with open(os.path.join(os.fsencode(root), b"bad-\xff\xfe-utf8"), "wb") as f:
+        f.write(b"not utf-8 name")
+    open(j("empty"), "wb").close()
+    with open(j("one"), "wb") as f:
+        f.write(b"1")
+    rnd = os.urandom(4 << 20)
+    with open(j("block-exact"), "wb") as f:
+        f.write(rnd)                       # exactly one 4 MiB block
+    with open(j("block-plus-one"), "wb") as f:
+        f.write(rnd + b"!")
+    with open(j("big-64m"), "wb") as f:
+        f.write(os.urandom(64 << 20))
+    with open(j("sparse-5g"), "wb") as f:
+        f.truncate(SPARSE_SIZE)
+        for off, mark in SPARSE_MARKS.items():
+            f.seek(off)
+            f.write(mark)
+    deep = j(*["d"] * 60)
+    os.makedirs(deep)
+    with open(os.path.join(deep, "bottom.txt"), "w") as f:
+        f.write("deep")
+    os.symlink("données/über/日本語.txt", j("rel-link"))
+    os.symlink("/etc/hostname", j("abs-link"))
+    os.symlink("does/not/exist", j("dangling"))
+    os.symlink("données", j("dir-link"))
+    os.makedirs(j("private"), mode=0o700)
+    with open(j("private", "secret"), "w") as f:
+        f.write("secret")
+    os.chmod(j("private", "secret"), 0o600)
+    with open(j("script.sh"), "w") as f:
+        f.write("#!/bin/sh\n")
+    os.chmod(j("script.sh"), 0o755)
+    with open(j("readonly"), "w") as f:
+        f.write("ro")
+    os.chmod(j("readonly"), 0o444)
+    os.utime(j("one"), ns=(1_600_000_000_123_456_789, 1_600_000_000_987_654_321))
+    os.mkfifo(j("fifo"))
+    return root
+
+
+def file_digest(path, sparse=False):
+    if sparse:
+        out = []
+        with open(path, "rb") as f:
+            for off, mark in SPARSE_MARKS.items():
+                f.seek(off)
+                out.append(f.read(len(mark) + 8))
+        return out
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def snapshot(root):
+    """Everything a reader can observe of a tree (bytes paths, so undecodable names work)."""
+    root = os.fsencode(root)
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        rel_dir = os.path.relpath(dirpath, root)
+        out[(rel_dir, b"<listing>")] = sorted(os.listdir(dirpath))
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            st = os.lstat(path)
+            rec = {"mode": st.st_mode, "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                   "uid": st.st_uid, "gid": st.st_gid}
+            if stat.S_ISLNK(st.st_mode):
+                rec["link"] = os.readlink(path)
+            elif stat.S_ISREG(st.st_mode):
+                rec["data"] = file_digest(path, sparse=name == b"sparse-5g")
+            out[(rel_dir, name)] = rec
+    return out
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory):
+    return build_zoo(str(tmp_path_factory.mktemp("zoo") / "src"))
+
+
+def test_tree_is_identical_through_the_mount(zoo, mounts):
+    mp = mounts.cachefs(zoo)
+    expected, got = snapshot(zoo), snapshot(mp)
+    assert got.keys() == expected.keys()
+    for key in expected:
+        assert got[key] == expected[key], key
+    # the odd ones, named explicitly so a regression says which
+    assert os.path.getsize(os.path.join(mp, "sparse-5g")) == SPARSE_SIZE
+    assert os.readlink(os.path.join(mp, "abs-link")) == "/etc/hostname"
+    assert os.stat(os.path.join(mp, "one")).st_mtime_ns == 1_600_000_000_987_654_321
+    assert stat.S_ISFIFO(os.lstat(os.path.join(mp, "fifo")).st_mode)
+
+
+def test_errors_and_the_source_is_never_written(zoo, mounts):
+    before = snapshot(zoo)
+    mp = str(mounts.cachefs(zoo))
+    p = lambda *a: os.path.join(mp, *a)  # noqa: E731
+    with pytest.raises(FileNotFoundError):
+        open(p("no-such-file"), "rb")
+    with pytest.raises(FileNotFoundError):
+        os.stat(p("données", "nope", "x"))
+    with pytest.raises(NotADirectoryError):
+        os.listdir(p("one"))
+    with pytest.raises(IsADirectoryError):
+        open(p("données"), "rb").read()
+    writes = [
+        lambda: open(p("one"), "wb"), lambda: open(p("one"), "ab"), lambda: open(p("one"), "r+b"),
+        lambda: open(p("new-file"), "wb"), lambda: os.mkdir(p("newdir")), lambda: os.rmdir(p("données")),
+        lambda: os.unlink(p("one")), lambda: os.rename(p("one"), p("two")), lambda: os.chmod(p("one"), 0o777),
+        lambda: os.chown(p("one"), 1, 1), lambda: os.utime(p("one"), (1, 1)), lambda: os.symlink("x", p("ln")),
+        lambda: os.link(p("one"), p("hard")), lambda: os.truncate(p("one"), 0),
+        lambda: os.setxattr(p("one"), "user.x", b"1"), lambda: os.mknod(p("node")),
+    ]
+    for i, write in enumerate(writes):
+        with pytest.raises(OSError) as info:
+            write()
+        assert info.value.errno == errno.EROFS, (i, info.value)
+    assert snapshot(zoo) == before
+
+
+def test_statfs_reports_the_source(zoo, mounts):
+    mp = mounts.cachefs(zoo)
+    a, b = os.statvfs(zoo), os.statvfs(mp)
+    for field in ("f_bsize", "f_blocks", "f_files", "f_namemax"):
+        assert getattr(a, field) == getattr(b, field), field
+    assert abs(a.f_bavail - b.f_bavail) < a.f_blocks // 100
+
+
+SYSTEM_PYTHON = "/usr/bin/python3"  # another user cannot run root's own (pyenv, venv) interpreter
+
+
+def _as_nobody(code):
+    """Run Python code as uid/gid 65534; return (exit code, output)."""
+    def drop():
+        os.setgid(65534)
+        os.setuid(65534)
+    proc = subprocess.run([SYSTEM_PYTHON, "-I", "-c", code], capture_output=True, text=True, preexec_fn=drop,
+                          timeout=30, cwd="/", env={"PATH": "/usr/bin:/bin"})
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not os.path.exists(SYSTEM_PYTHON),
+                    reason="needs root and a system python3 to act as another user")
+def test_other_users_and_permissions(tmp_path):
+    # pytest's tmp dirs are 0700: build this one where another user can walk to it
+    base = Path(tempfile.mkdtemp(prefix="cachefs-perm-"))
+    os.chmod(base, 0o755)
+    mounts = Mounts(base)
+    try:
+        _check_other_users(base, mounts)
+    finally:
+        mounts.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _check_other_users(base, mounts):
+    src = base / "src"
+    src.mkdir(mode=0o755)
+    (src / "public").write_text("public")
+    (src / "secret").write_text("secret")
+    os.chmod(src / "public", 0o644)
+    os.chmod(src / "secret", 0o600)
+    mp = mounts.cachefs(str(src))
+    # without --allow-other, no other user gets in at all
+    code, out = _as_nobody(f"import os; os.listdir({str(mp)!r})")
+    assert code != 0 and "Permission denied" in out
+    mounts.unmount(mp)
+    mp = mounts.cachefs(str(src), name="mnt2", extra=["--allow-other"])
+    code, out = _as_nobody(f"print(open({str(mp / 'public')!r}).read())")
+    assert code == 0 and "public" in out
+    code, out = _as_nobody(
+        "import errno\n"
+        f"try: open({str(mp / 'secret')!r}).read()\n"
+        "except OSError as e: print('errno', e.errno)\n")
+    assert f"errno {errno.EACCES}" in out
+    # the control interface answers only its owner
+    code, out = _as_nobody(f"import os; os.getxattr({str(mp)!r}, 'user.cachefs.stats')")
+    assert code != 0 and ("Permission denied" in out or "No data" in out)
+
+
+def test_stats_table_json_and_nothing_visible(zoo, mounts):
+    mp = mounts.cachefs(zoo)
+    assert sorted(os.listdir(mp)) == sorted(os.listdir(zoo))
+    assert not any("cachefs" in n for n in os.listdir(mp))
+    with open(os.path.join(mp, "big-64m"), "rb") as f:
+        f.read()
+    s = stats(mp)
+    assert s["schema"] == 1
+    assert s["source"]["bytes"] == 64 << 20                    # read once, whole blocks
+    assert s["source"]["read_range"] == 16                      # 64 MiB / 4 MiB blocks
+    assert s["source"]["served_bytes"] + s["ram"].get("served_bytes", 0) == 64 << 20
+    assert s["ram"]["capacity_bytes"] == 256 << 20
+    assert s["disk"]["capacity_bytes"] == 1 << 30
+    assert s["info"]["source"] == os.path.realpath(zoo)
+    table = cli("stats", mp, check=True).stdout
+    for word in ("ram", "disk", "source", "hit rate", "capacity"):
+        assert word in table
+    listing = cli("stats", check=True).stdout
+    assert str(mp) in listing
+
+
+def test_second_epoch_stays_in_the_kernel(tmp_path, mounts):
+    src = tmp_path / "src"
+    for c in range(4):
+        (src / f"c{c}").mkdir(parents=True)
+        for i in range(50):
+            (src / f"c{c}" / f"{i}.jpg").write_bytes(os.urandom(20_000 + i))
+    mp = mounts.cachefs(str(src))
+
+    def epoch():
+        for dirpath, _, files in os.walk(mp):
+            for name in files:
+                with open(os.path.join(dirpath, name), "rb") as f:
+                    f.read()
+
+    epoch()
+    first = stats(mp)["fuse"]
+    assert first["read"] >= 200
+    epoch()
+    second = stats(mp)["fuse"]
+    calls = {k: second.get(k, 0) - first.get(k, 0) for k in ("read", "getattr", "readdir", "open")}
+    # No file costs a single call. Listings remain (libfuse's high-level API does not pass
+    # the kernel's readdir-cache flag through): one or two requests per directory (5 here).
+    assert (calls["read"], calls["getattr"], calls["open"]) == (0, 0, 0), calls
+    assert 5 <= calls["readdir"] <= 10, calls
+    assert second.get("open", 0) <= 1   # zero-message opens: the first open said ENOSYS, then no more
+
+
+def test_persistence_across_remount_reads_nothing_from_the_source(tmp_path, mounts):
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {f"f{i}": os.urandom(300_000 * (i + 1)) for i in range(5)}
+    for name, data in files.items():
+        (src / name).write_bytes(data)
+    slow = mounts.slowfs(str(src))
+    mp = mounts.cachefs(str(slow))
+    for name, data in files.items():
+        assert (mp / name).read_bytes() == data
+    mounts.unmount(mp)                  # waits for the daemon: every block is on disk
+    assert not is_mounted(mp)
+    slowfs_reset(str(slow))
+    mp = mounts.cachefs(str(slow))
+    for name, data in files.items():
+        assert (mp / name).read_bytes() == data
+    s = stats(mp)
+    assert s["source"].get("read_range", 0) == 0
+    assert s["disk"]["hits"] == len(files)
+    assert slowfs_stats(str(slow)).get("read", 0) == 0
+
+
+def test_kill_9_leaves_a_stale_mount_that_the_next_mount_clears(tmp_path, mounts):
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(3 << 20)
+    (src / "f").write_bytes(data)
+    mp = mounts.cachefs(str(src))
+    assert (mp / "f").read_bytes() == data
+    deadline = time.monotonic() + 10
+    while stats(mp)["disk"].get("writes", 0) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = stats(mp)["info"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.stat(mp)
+        except OSError as exc:
+            assert exc.errno == errno.ENOTCONN
+            break
+        time.sleep(0.05)
+    proc = cli("stats", mp)
+    assert proc.returncode == 2 and "stale" in proc.stderr
+    proc = cli("mount", src, mp, "--cache-dir", tmp_path / "cache", "--ram-size", "64MiB", "--disk-size", "1GiB")
+    assert proc.returncode == 0, proc.stderr
+    assert "cleared a stale cachefs mount" in proc.stderr
+    assert (mp / "f").read_bytes() == data
+    assert stats(mp)["source"].get("read_range", 0) == 0
+
+
+def test_bad_mount_requests_exit_2_and_leave_nothing(zoo, tmp_path, mounts):
+    mp = mounts.cachefs(zoo)
+    proc = cli("mount", zoo, mp, "--cache-dir", tmp_path / "c2")
+    assert proc.returncode == 2 and "already a mount point" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr
+    assert not (tmp_path / "c2").exists()
+    proc = cli("umount", tmp_path)
+    assert proc.returncode == 2 and "not mounted" in proc.stderr
+    proc = cli("stats", tmp_path)
+    assert proc.returncode == 2 and "not a cachefs mount" in proc.stderr
+
+
+def test_cache_dir_and_files_are_private(tmp_path, mounts):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(os.urandom(200_000))
+    (src / "g").write_bytes(b"small")
+    cache = tmp_path / "cache"
+    mp = mounts.cachefs(str(src), cache_dir=cache)
+    (mp / "f").read_bytes()
+    (mp / "g").read_bytes()
+    mounts.unmount(mp)
+    assert stat.S_IMODE(os.stat(cache).st_mode) == 0o700
+    count = 0
+    for dirpath, dirs, files in os.walk(cache):
+        for d in dirs:
+            assert stat.S_IMODE(os.stat(os.path.join(dirpath, d)).st_mode) & 0o077 == 0, d
+        for f in files:
+            assert stat.S_IMODE(os.stat(os.path.join(dirpath, f)).st_mode) & 0o077 == 0, f
+            count += 1
+    assert count >= 3  # the database, the large block's file, the log
+
+
+def test_sigterm_unmounts_cleanly(tmp_path, mounts):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"x" * 1000)
+    mp = mounts.cachefs(str(src))
+    pid = stats(mp)["info"]["pid"]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 15
+    while is_mounted(mp) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not is_mounted(mp)
+    os.stat(mp)  # a plain empty directory again, not a dead mount
+    assert os.listdir(mp) == []
+
+
+def test_foreground_mount_and_ctrl_c(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("hi")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "cachefs", "mount", src, mp, "-f", "--cache-dir",
+                             tmp_path / "cache", "--ram-size", "64MiB", "--disk-size", "64MiB"],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not is_mounted(mp) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert (mp / "f").read_text() == "hi"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 0, out
+        assert "mounted" in out and "Traceback" not in out
+        assert not is_mounted(mp)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+
+
+def test_changed_source_file_is_served_new_after_the_ttl(tmp_path, mounts):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_bytes(b"version one")
+    mp = mounts.cachefs(str(src), extra=["--metadata-ttl", "1"])
+    assert (mp / "f").read_bytes() == b"version one"
+    (src / "f").write_bytes(b"version two, longer")
+    time.sleep(1.5)
+    assert (mp / "f").read_bytes() == b"version two, longer"
+    (src / "f").write_bytes(b"version 3, same size")  # same size as before, new mtime
+    os.utime(src / "f", ns=(time.time_ns(), time.time_ns() + 10**9))
+    time.sleep(1.5)
+    assert (mp / "f").read_bytes() == b"version 3, same size"
+
+
+def test_corrupted_cache_block_is_detected_and_refetched(tmp_path, mounts):
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(1 << 20)
+    (src / "f").write_bytes(data)
+    cache = tmp_path / "cache"
+    mp = mounts.cachefs(str(src), cache_dir=cache)
+    assert (mp / "f").read_bytes() == data
+    mounts.unmount(mp)
+    vals = [os.path.join(d, f) for d, _, fs in os.walk(cache) for f in fs if f.endswith(".val")]
+    assert len(vals) == 1
+    with open(vals[0], "r+b") as f:
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    mp = mounts.cachefs(str(src), cache_dir=cache)
+    assert (mp / "f").read_bytes() == data
+    s = stats(mp)
+    assert s["disk"]["checksum_failures"] == 1
+    assert s["source"]["read_range"] == 1
