@@ -5,12 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from cachefs import __version__
 from cachefs.config import (
-    DEFAULT_BLOCK_SIZE, DEFAULT_METADATA_TTL, DEFAULT_NEGATIVE_TTL, Config, default_cache_dir,
-    format_size, parse_duration, parse_size,
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_METADATA_TTL,
+    DEFAULT_NEGATIVE_TTL,
+    Config,
+    default_cache_dir,
+    format_size,
+    parse_duration,
+    parse_size,
 )
 from cachefs.errors import CachefsError
 
@@ -101,13 +108,14 @@ def format_stats(snap: dict[str, Any]) -> str:
     """The human table of `cachefs stats`."""
     info, ram, disk, src = snap.get("info", {}), snap.get("ram", {}), snap.get("disk", {}), snap.get("source", {})
     fuse = snap.get("fuse", {})
-    g = lambda d, k: d.get(k) or 0  # noqa: E731
+    g = lambda d, k: d.get(k) or 0
     lines = [
         f"cachefs {info.get('version', '?')}  pid {info.get('pid', '?')}  up {snap.get('uptime_s', 0):.0f}s",
         f"source     {info.get('source', '?')}",
         f"mount      {info.get('mountpoint', '?')}",
         "",
-        f"{'tier':<6}{'hits':>10}{'misses':>10}{'hit rate':>10}{'served':>12}{'used':>12}{'capacity':>12}{'entries':>9}",
+        f"{'tier':<6}{'hits':>10}{'misses':>10}{'hit rate':>10}{'served':>12}{'used':>12}"
+        f"{'capacity':>12}{'entries':>9}",
     ]
     for name, t in (("ram", ram), ("disk", disk)):
         lines.append(
@@ -167,7 +175,7 @@ def _cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     commands = {"mount": _cmd_mount, "stats": _cmd_stats, "umount": _cmd_umount, "unmount": _cmd_umount}

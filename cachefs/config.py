@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 from dataclasses import dataclass, field
-from typing import Optional
 
 from cachefs.errors import CachefsError
 
@@ -111,14 +110,14 @@ class Config:
     source: str
     mountpoint: str
     cache_dir: str = field(default_factory=default_cache_dir)
-    ram_size: Optional[int] = None  # bytes; None = DEFAULT_RAM_* rule
-    disk_size: Optional[int] = None  # bytes; None = DEFAULT_DISK_* rule; 0 = no NVMe tier
+    ram_size: int | None = None  # bytes; None = DEFAULT_RAM_* rule
+    disk_size: int | None = None  # bytes; None = DEFAULT_DISK_* rule; 0 = no NVMe tier
     block_size: int = DEFAULT_BLOCK_SIZE
     metadata_ttl: float = DEFAULT_METADATA_TTL
     negative_ttl: float = DEFAULT_NEGATIVE_TTL
     foreground: bool = False
     allow_other: bool = False
-    log_file: Optional[str] = None
+    log_file: str | None = None
     verbose: int = 0
     debug_fuse: bool = False
     zero_message_open: bool = True

@@ -18,8 +18,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Callable, Optional
 
 from cachefs.blocks import FileId, block_extent, block_key, block_range
 from cachefs.config import DEFAULT_BLOCK_SIZE, DEFAULT_METADATA_TTL, DEFAULT_NEGATIVE_TTL, METADATA_MAX_ENTRIES
@@ -47,7 +47,7 @@ class _TTLCache:
         self._clock = clock
         self._lock = threading.Lock()
 
-    def get(self, key: str) -> Optional[object]:
+    def get(self, key: str) -> object | None:
         with self._lock:
             hit = self._data.get(key)
             if hit is None:
@@ -159,7 +159,7 @@ class Core:
 
     # -- data --------------------------------------------------------------------------
 
-    def read(self, path: str, offset: int, size: int, fid: Optional[FileId] = None) -> bytes:
+    def read(self, path: str, offset: int, size: int, fid: FileId | None = None) -> bytes:
         """Bytes [offset, offset+size) of the file, short only at end of file."""
         if offset < 0 or size < 0:
             raise OSError(errno.EINVAL, "negative offset or size", path)

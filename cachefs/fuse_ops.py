@@ -21,7 +21,8 @@ import functools
 import json
 import logging
 import os
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 try:
     import mfusepy as fuse_binding
@@ -51,13 +52,13 @@ def _fuse_op(fn: Callable) -> Callable:  # type: ignore[type-arg]
     """Run one FUSE operation: any exception becomes an errno, never a dead mount."""
 
     @functools.wraps(fn)
-    def wrapper(self: "CachefsOperations", path: Optional[str], *args: Any) -> Any:
+    def wrapper(self: CachefsOperations, path: str | None, *args: Any) -> Any:
         self.core.stats.incr(f"fuse.{fn.__name__}")
         try:
             return fn(self, path, *args)
         except FuseOSError:
             raise
-        except BaseException as exc:  # noqa: BLE001 - the mount must survive anything
+        except BaseException as exc:
             code = to_errno(exc)
             if code not in _QUIET_ERRNOS:
                 self.core.stats.incr("fuse.errors")
@@ -68,15 +69,15 @@ def _fuse_op(fn: Callable) -> Callable:  # type: ignore[type-arg]
     return wrapper
 
 
-def _read_only(self: "CachefsOperations", path: Optional[str], *args: Any) -> Any:
+def _read_only(self: CachefsOperations, path: str | None, *args: Any) -> Any:
     raise FuseOSError(errno.EROFS)
 
 
 class CachefsOperations(fuse_binding.Operations):
     use_ns = True  # times as integer nanoseconds, exactly as the source reports them
 
-    def __init__(self, core: Core, config: Config, on_ready: Optional[Callable[[], None]] = None,
-                 info: Optional[dict] = None):
+    def __init__(self, core: Core, config: Config, on_ready: Callable[[], None] | None = None,
+                 info: dict | None = None):
         self.core = core
         self.config = config
         self.zero_message_open = config.zero_message_open

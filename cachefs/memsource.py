@@ -12,7 +12,7 @@ import stat as stat_mod
 import threading
 import time
 from collections import Counter
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from cachefs.blocks import FileId
 from cachefs.errors import SourceChanged
@@ -37,7 +37,7 @@ class MemorySource:
         self._clock_ns += 1_000_000
         return self._clock_ns
 
-    def _put(self, path: str, mode: int, payload: object, size: int, mtime_ns: Optional[int]) -> None:
+    def _put(self, path: str, mode: int, payload: object, size: int, mtime_ns: int | None) -> None:
         path = "/" + check_relpath(path)
         parent = posixpath.dirname(path)
         if path != "/" and parent not in self._nodes:
@@ -48,7 +48,7 @@ class MemorySource:
     def add_dir(self, path: str, mode: int = 0o755) -> None:
         self._put(path, stat_mod.S_IFDIR | mode, None, 0, None)
 
-    def add_file(self, path: str, data: bytes, mode: int = 0o644, mtime_ns: Optional[int] = None) -> None:
+    def add_file(self, path: str, data: bytes, mode: int = 0o644, mtime_ns: int | None = None) -> None:
         self._put(path, stat_mod.S_IFREG | mode, bytes(data), len(data), mtime_ns)
 
     def add_symlink(self, path: str, target: str) -> None:

@@ -21,15 +21,21 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 import psutil
 
 from cachefs import __version__
 from cachefs.config import (
-    DEFAULT_DISK_FRACTION, DEFAULT_DISK_MAX, DEFAULT_RAM_FRACTION, DEFAULT_RAM_MAX, MAX_READ,
-    MOUNT_READY_TIMEOUT, Config, format_size,
+    DEFAULT_DISK_FRACTION,
+    DEFAULT_DISK_MAX,
+    DEFAULT_RAM_FRACTION,
+    DEFAULT_RAM_MAX,
+    MAX_READ,
+    MOUNT_READY_TIMEOUT,
+    Config,
+    format_size,
 )
 from cachefs.errors import CachefsError
 
@@ -75,7 +81,7 @@ def list_mounts() -> list[MountEntry]:
     return entries
 
 
-def find_mount(path: str) -> Optional[MountEntry]:
+def find_mount(path: str) -> MountEntry | None:
     """The mount whose mount point is exactly `path` (the last one if stacked)."""
     path = os.path.abspath(path)
     found = None
@@ -272,7 +278,7 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
                 negative_ttl=config.negative_ttl)
 
 
-def serve(config: Config, on_ready: Optional[Callable[[], None]] = None) -> None:
+def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     """Build the stack and serve the mount until it is unmounted (blocks)."""
     from cachefs.fuse_ops import CachefsOperations, run_fuse
 
@@ -312,7 +318,7 @@ def tune_readahead(mountpoint: str, size: int = MAX_READ) -> None:
         log.info("kernel read-ahead left at its default (%s); run as root to raise it", exc)
 
 
-def setup_logging(verbose: int, log_file: Optional[str]) -> None:
+def setup_logging(verbose: int, log_file: str | None) -> None:
     level = logging.WARNING if verbose <= 0 else logging.INFO if verbose == 1 else logging.DEBUG
     handler: logging.Handler = logging.FileHandler(log_file) if log_file else logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
@@ -348,6 +354,7 @@ def mount(config: Config, out: Callable[[str], None] = print) -> int:
             os.setsid()
             devnull = os.open(os.devnull, os.O_RDWR)
             os.dup2(devnull, 0)
+            assert config.log_file is not None
             logfd = os.open(config.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             os.dup2(logfd, 1)
             os.dup2(logfd, 2)
@@ -358,7 +365,7 @@ def mount(config: Config, out: Callable[[str], None] = print) -> int:
 
             serve(config, on_ready=ready)
             code = 0
-        except BaseException as exc:  # noqa: BLE001 - report to the parent, then exit
+        except BaseException as exc:
             log.error("daemon failed: %s", exc)
             log.debug("%s", traceback.format_exc())
             try:
@@ -372,8 +379,8 @@ def mount(config: Config, out: Callable[[str], None] = print) -> int:
     deadline = time.monotonic() + MOUNT_READY_TIMEOUT
     message = b""
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([rfd], [], [], 0.2)
-        if ready:
+        readable, _, _ = select.select([rfd], [], [], 0.2)
+        if readable:
             chunk = os.read(rfd, 4096)
             if not chunk:
                 break

@@ -31,7 +31,7 @@ class Attr(NamedTuple):
     rdev: int = 0
 
     @classmethod
-    def from_stat(cls, st: os.stat_result) -> "Attr":
+    def from_stat(cls, st: os.stat_result) -> Attr:
         return cls(st.st_mode, st.st_nlink, st.st_uid, st.st_gid, st.st_size,
                    st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_blocks, st.st_rdev)
 

@@ -11,7 +11,8 @@ import os
 import threading
 import time
 from collections import defaultdict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Version of the snapshot's layout, shown as "schema" in `cachefs stats --json`.
 SCHEMA_VERSION = 1

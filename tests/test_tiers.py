@@ -120,7 +120,7 @@ def test_disk_tier_files_are_private(disk, tmp_path):
         os.umask(old)
     root = tmp_path / "blocks"
     assert os.stat(root).st_mode & 0o777 == 0o700
-    for r, dirs, files in os.walk(root):
+    for r, _dirs, files in os.walk(root):
         for f in files:
             assert os.stat(os.path.join(r, f)).st_mode & 0o077 == 0, f
 

@@ -21,7 +21,6 @@ import time
 
 from PIL import Image
 
-
 # Measured: KB of a 500x375 JPEG at quality 95 against the noise blend factor.
 _SIZE_CURVE = [(0.0, 25), (0.02, 35), (0.05, 58), (0.1, 87), (0.15, 107), (0.2, 121),
                (0.3, 143), (0.4, 160), (0.6, 186), (1.0, 225)]
@@ -29,7 +28,7 @@ _SIGMA = 0.45  # spread of file sizes (lognormal), close to ImageNet's
 
 
 def _alpha_for(kb_at_ref: float) -> float:
-    for (a0, k0), (a1, k1) in zip(_SIZE_CURVE, _SIZE_CURVE[1:]):
+    for (a0, k0), (a1, k1) in zip(_SIZE_CURVE, _SIZE_CURVE[1:], strict=False):
         if kb_at_ref <= k1:
             return a0 + (a1 - a0) * max(0.0, kb_at_ref - k0) / (k1 - k0)
     return 1.0
@@ -74,7 +73,7 @@ def build(out: str, classes: int, per_class: int, seed: int, mean_kb: float, pro
     return total_bytes
 
 
-def main(argv=None) -> int:  # noqa: ANN001
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("out")
     p.add_argument("--classes", type=int, default=10)

@@ -27,8 +27,8 @@ from collections import Counter
 import mfusepy as fuse
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cachefs.config import parse_duration, parse_size  # noqa: E402
-from cachefs.errors import CachefsError  # noqa: E402
+from cachefs.config import parse_duration, parse_size
+from cachefs.errors import CachefsError
 
 
 class Link:
@@ -74,13 +74,13 @@ class SlowFS(fuse.Operations):
     def _full(self, path: str) -> str:
         return os.path.join(self.root, path.lstrip("/"))
 
-    def init_with_config(self, conn, config):  # noqa: ANN001
+    def init_with_config(self, conn, config):
         if config is not None:
             config.entry_timeout = self.attr_timeout
             config.attr_timeout = self.attr_timeout
             config.negative_timeout = 0
 
-    def getattr(self, path, fh=None):  # noqa: ANN001
+    def getattr(self, path, fh=None):
         self._count("getattr")
         self.link.request()
         try:
@@ -92,7 +92,7 @@ class SlowFS(fuse.Operations):
         out.update(st_atime=st.st_atime_ns, st_mtime=st.st_mtime_ns, st_ctime=st.st_ctime_ns)
         return out
 
-    def readdir(self, path, fh):  # noqa: ANN001
+    def readdir(self, path, fh):
         self._count("readdir")
         self.link.request()
         try:
@@ -100,12 +100,12 @@ class SlowFS(fuse.Operations):
         except OSError as exc:
             raise fuse.FuseOSError(exc.errno) from None
 
-    def readlink(self, path):  # noqa: ANN001
+    def readlink(self, path):
         self._count("readlink")
         self.link.request()
         return os.readlink(self._full(path))
 
-    def open(self, path, flags):  # noqa: ANN001
+    def open(self, path, flags):
         self._count("open")
         self.link.request()
         if flags & (os.O_WRONLY | os.O_RDWR):
@@ -115,22 +115,22 @@ class SlowFS(fuse.Operations):
         except OSError as exc:
             raise fuse.FuseOSError(exc.errno) from None
 
-    def read(self, path, size, offset, fh):  # noqa: ANN001
+    def read(self, path, size, offset, fh):
         data = os.pread(fh, size, offset)
         self._count("read", len(data))
         self.link.request(len(data))
         return data
 
-    def release(self, path, fh):  # noqa: ANN001
+    def release(self, path, fh):
         os.close(fh)
         return 0
 
-    def statfs(self, path):  # noqa: ANN001
+    def statfs(self, path):
         st = os.statvfs(self.root)
         return {k: getattr(st, k) for k in ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
                                             "f_files", "f_ffree", "f_favail", "f_namemax")}
 
-    def getxattr(self, path, name, *args):  # noqa: ANN001
+    def getxattr(self, path, name, *args):
         if path == "/" and name == "user.slowfs.stats":
             with self._lock:
                 return json.dumps(dict(self.counts)).encode()
@@ -149,7 +149,7 @@ def reset_stats(mountpoint: str) -> None:
     os.getxattr(mountpoint, "user.slowfs.reset")
 
 
-def main(argv=None) -> int:  # noqa: ANN001
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("source")
     p.add_argument("mountpoint")

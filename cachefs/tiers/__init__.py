@@ -4,13 +4,13 @@ A miss, a checksum failure and a tier I/O error all return None to the caller (a
 counted in stats), so a failing tier degrades to a slower read, never to a failed one.
 """
 
-from typing import Optional, Protocol
+from typing import Protocol
 
 
 class Tier(Protocol):
     name: str
 
-    def get(self, key: bytes) -> Optional[bytes]: ...
+    def get(self, key: bytes) -> bytes | None: ...
 
     def put(self, key: bytes, data: bytes) -> bool: ...
 

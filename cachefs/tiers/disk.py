@@ -17,7 +17,6 @@ import logging
 import os
 import queue
 import threading
-from typing import Optional
 
 import diskcache
 
@@ -34,7 +33,7 @@ _STOP = object()
 class DiskTier:
     name = "disk"
 
-    def __init__(self, directory: str, capacity: int, stats: Optional[Stats] = None,
+    def __init__(self, directory: str, capacity: int, stats: Stats | None = None,
                  queue_bytes: int = DISK_WRITE_QUEUE_BYTES):
         self._dir = directory
         self._capacity = int(capacity)
@@ -78,7 +77,7 @@ class DiskTier:
     def _len(self) -> int:
         return len(self._cache)
 
-    def get(self, key: bytes) -> Optional[bytes]:
+    def get(self, key: bytes) -> bytes | None:
         try:
             blob = self._cache.get(key, default=None, read=False, retry=True)
         except Exception as exc:

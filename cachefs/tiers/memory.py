@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from typing import Optional
 
 from cachefs.stats import Stats
 
@@ -17,7 +16,7 @@ from cachefs.stats import Stats
 class MemoryTier:
     name = "ram"
 
-    def __init__(self, capacity: int, stats: Optional[Stats] = None):
+    def __init__(self, capacity: int, stats: Stats | None = None):
         self._capacity = int(capacity)
         self._entries: OrderedDict[bytes, bytes] = OrderedDict()
         self._used = 0
@@ -41,7 +40,7 @@ class MemoryTier:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, key: bytes) -> Optional[bytes]:
+    def get(self, key: bytes) -> bytes | None:
         with self._lock:
             data = self._entries.get(key)
             if data is not None:

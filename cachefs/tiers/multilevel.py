@@ -6,20 +6,18 @@ Issue #4 replaces the "admit everything, LRU" rule with per-tier policies.
 
 from __future__ import annotations
 
-from typing import Optional
-
 from cachefs.stats import Stats
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.memory import MemoryTier
 
 
 class MultiLevelCache:
-    def __init__(self, ram: MemoryTier, disk: Optional[DiskTier], stats: Stats):
+    def __init__(self, ram: MemoryTier, disk: DiskTier | None, stats: Stats):
         self.ram = ram
         self.disk = disk
         self._stats = stats
 
-    def get(self, key: bytes) -> tuple[Optional[bytes], str]:
+    def get(self, key: bytes) -> tuple[bytes | None, str]:
         """(data, tier that served it: "ram" | "disk"), or (None, "miss")."""
         data = self.get_ram(key)
         if data is not None:
@@ -27,12 +25,12 @@ class MultiLevelCache:
         data = self.get_disk(key)
         return (data, "disk") if data is not None else (None, "miss")
 
-    def get_ram(self, key: bytes) -> Optional[bytes]:
+    def get_ram(self, key: bytes) -> bytes | None:
         data = self.ram.get(key)
         self._stats.incr("ram.hits" if data is not None else "ram.misses")
         return data
 
-    def get_disk(self, key: bytes) -> Optional[bytes]:
+    def get_disk(self, key: bytes) -> bytes | None:
         """Look a block up on NVMe; a hit is promoted into RAM."""
         if self.disk is None:
             return None

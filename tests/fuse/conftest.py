@@ -88,10 +88,9 @@ class Mounts:
 
     def cleanup(self):
         for mp in reversed(self.points):
-            if is_mounted(mp):
-                if cli("umount", mp).returncode != 0:
-                    subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True)
-                    force_unmount(mp)
+            if is_mounted(mp) and cli("umount", mp).returncode != 0:
+                subprocess.run(["fusermount3", "-u", str(mp)], capture_output=True)
+                force_unmount(mp)
 
 
 @pytest.fixture
