@@ -3,7 +3,8 @@
 
 Every request that reaches it (lookup/getattr, readdir, open, read) waits `--latency`
 before it is answered, as a network round trip would; many requests may be in flight at
-once, as with NFS. Data is delivered no faster than `--bandwidth` in total, through one
+once, as with NFS. Reads are up to 1 MiB with 1 MiB kernel read-ahead (as root), like an
+NFS client mounted with rsize=1M. Data is delivered no faster than `--bandwidth` in total, through one
 shared link. The kernel is told not to keep file pages across opens and to trust
 attributes only briefly, so a file read twice costs twice (a store much larger than RAM).
 
@@ -27,8 +28,9 @@ from collections import Counter
 import mfusepy as fuse
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from cachefs.config import parse_duration, parse_size
+from cachefs.config import MAX_READ, parse_duration, parse_size
 from cachefs.errors import CachefsError
+from cachefs.mount import tune_readahead
 
 
 class Link:
@@ -58,8 +60,9 @@ class Link:
 class SlowFS(fuse.Operations):
     use_ns = True
 
-    def __init__(self, root: str, link: Link, attr_timeout: float):
+    def __init__(self, root: str, mountpoint: str, link: Link, attr_timeout: float):
         self.root = os.path.realpath(root)
+        self.mountpoint = os.path.abspath(mountpoint)
         self.link = link
         self.attr_timeout = attr_timeout
         self.counts: Counter[str] = Counter()
@@ -75,6 +78,10 @@ class SlowFS(fuse.Operations):
         return os.path.join(self.root, path.lstrip("/"))
 
     def init_with_config(self, conn, config):
+        if conn is not None:
+            conn.max_read = MAX_READ
+        # like an NFS client with rsize=1M: 1 MiB requests and read-ahead
+        threading.Thread(target=tune_readahead, args=(self.mountpoint, MAX_READ), daemon=True).start()
         if config is not None:
             config.entry_timeout = self.attr_timeout
             config.attr_timeout = self.attr_timeout
@@ -167,10 +174,10 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.source):
         print(f"slowfs: error: {args.source} is not a directory", file=sys.stderr)
         return 2
-    fs = SlowFS(args.source, link, attr_timeout)
+    fs = SlowFS(args.source, args.mountpoint, link, attr_timeout)
     fuse.FUSE(fs, args.mountpoint, foreground=True, nothreads=False, ro=True,
               fsname=f"slowfs:{os.path.basename(os.path.realpath(args.source))}", subtype="slowfs",
-              max_threads=64)
+              max_threads=64, max_read=MAX_READ)
     return 0
 
 

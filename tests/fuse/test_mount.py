@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from cachefs.config import DEFAULT_BLOCK_SIZE
 from tests.fuse.conftest import ROOT, Mounts, cli, is_mounted, stats
 from tools.slowfs import read_stats as slowfs_stats
 from tools.slowfs import reset_stats as slowfs_reset
@@ -40,9 +41,9 @@ def build_zoo(root):
     open(j("empty"), "wb").close()
     with open(j("one"), "wb") as f:
         f.write(b"1")
-    rnd = os.urandom(4 << 20)
+    rnd = os.urandom(DEFAULT_BLOCK_SIZE)
     with open(j("block-exact"), "wb") as f:
-        f.write(rnd)                       # exactly one 4 MiB block
+        f.write(rnd)                       # exactly one block
     with open(j("block-plus-one"), "wb") as f:
         f.write(rnd + b"!")
     with open(j("big-64m"), "wb") as f:
@@ -224,7 +225,7 @@ def test_stats_table_json_and_nothing_visible(zoo, mounts):
     s = stats(mp)
     assert s["schema"] == 1
     assert s["source"]["bytes"] == 64 << 20                    # read once, whole blocks
-    assert s["source"]["read_range"] == 16                      # 64 MiB / 4 MiB blocks
+    assert s["source"]["read_range"] == (64 << 20) // DEFAULT_BLOCK_SIZE
     assert s["source"]["served_bytes"] + s["ram"].get("served_bytes", 0) == 64 << 20
     assert s["ram"]["capacity_bytes"] == 256 << 20
     assert s["disk"]["capacity_bytes"] == 1 << 30
@@ -281,7 +282,7 @@ def test_persistence_across_remount_reads_nothing_from_the_source(tmp_path, moun
         assert (mp / name).read_bytes() == data
     s = stats(mp)
     assert s["source"].get("read_range", 0) == 0
-    assert s["disk"]["hits"] == len(files)
+    assert s["disk"]["hits"] == sum(-(-len(d) // DEFAULT_BLOCK_SIZE) for d in files.values())
     assert slowfs_stats(str(slow)).get("read", 0) == 0
 
 
@@ -293,7 +294,7 @@ def test_kill_9_leaves_a_stale_mount_that_the_next_mount_clears(tmp_path, mounts
     mp = mounts.cachefs(str(src))
     assert (mp / "f").read_bytes() == data
     deadline = time.monotonic() + 10
-    while stats(mp)["disk"].get("writes", 0) < 1 and time.monotonic() < deadline:
+    while stats(mp)["disk"].get("writes", 0) < (3 << 20) // DEFAULT_BLOCK_SIZE and time.monotonic() < deadline:
         time.sleep(0.05)
     pid = stats(mp)["info"]["pid"]
     os.kill(pid, signal.SIGKILL)

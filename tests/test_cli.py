@@ -1,0 +1,105 @@
+"""Bad input: a one-line error, exit code 2, nothing mounted, nothing written."""
+
+import os
+
+import pytest
+
+from cachefs.cli import format_stats, main
+
+
+@pytest.fixture
+def tree(tmp_path):
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "f").write_text("x")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    return tmp_path, src, mp
+
+
+def listing(root):
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("case", [
+    "missing-source", "source-is-file", "missing-mountpoint", "mountpoint-not-empty", "mountpoint-is-file",
+    "mountpoint-inside-source", "source-inside-mountpoint", "cache-inside-source", "cache-inside-mountpoint",
+    "cache-unwritable", "cache-is-file", "bad-block-size",
+])
+def test_bad_mount_requests(case, tree, capsys):
+    tmp, src, mp = tree
+    cache = tmp / "cache"
+    args = {"src": src, "mp": mp, "cache": cache, "extra": []}
+    if case == "missing-source":
+        args["src"] = tmp / "nope"
+    elif case == "source-is-file":
+        args["src"] = src / "a" / "f"
+    elif case == "missing-mountpoint":
+        args["mp"] = tmp / "no-mnt"
+    elif case == "mountpoint-not-empty":
+        (mp / "junk").write_text("j")
+    elif case == "mountpoint-is-file":
+        args["mp"] = src / "a" / "f"
+    elif case == "mountpoint-inside-source":
+        (src / "empty").mkdir()
+        args["mp"] = src / "empty"
+    elif case == "source-inside-mountpoint":
+        args["src"], args["mp"] = mp / "inner", mp
+        (mp / "inner").mkdir()
+    elif case == "cache-inside-source":
+        args["cache"] = src / "cache"
+    elif case == "cache-inside-mountpoint":
+        args["cache"] = mp / "cache"
+    elif case == "cache-unwritable":
+        args["cache"] = "/proc/cachefs-cannot-exist/cache"
+    elif case == "cache-is-file":
+        args["cache"] = src / "a" / "f"
+    elif case == "bad-block-size":
+        args["extra"] = ["--block-size", "1000"]
+    before = listing(tmp)
+    code = main(["mount", str(args["src"]), str(args["mp"]), "--cache-dir", str(args["cache"]),
+                 "--ram-size", "64MiB", "--disk-size", "64MiB", *args["extra"]])
+    out, err = capsys.readouterr()
+    assert code == 2, (case, out, err)
+    assert err.startswith("cachefs: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    assert listing(tmp) == before          # nothing written: no cache dir, no files
+    assert not os.path.ismount(mp)
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["mount", "s", "m", "--ram-size", "12XB"], "invalid --ram-size '12XB'"),
+    (["mount", "s", "m", "--disk-size=-1G"], "must not be negative"),
+    (["mount", "s", "m", "--metadata-ttl", "soon"], "invalid --metadata-ttl"),
+    (["mount", "s"], "required"),
+    (["frobnicate"], "invalid choice"),
+    (["mount", "s", "m", "--no-such-option"], "unrecognized arguments"),
+])
+def test_usage_errors_are_one_line_and_exit_2(argv, needle, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    _, err = capsys.readouterr()
+    assert info.value.code == 2
+    assert needle in err and err.count("\n") == 1, err
+
+
+def test_stats_of_a_plain_directory_is_a_clear_error(tmp_path, capsys):
+    assert main(["stats", str(tmp_path)]) == 2
+    assert "is not a cachefs mount point" in capsys.readouterr().err
+
+
+def test_umount_of_a_plain_directory_is_a_clear_error(tmp_path, capsys):
+    assert main(["umount", str(tmp_path)]) == 2
+    assert "is not mounted" in capsys.readouterr().err
+
+
+def test_format_stats_shows_every_tier_and_the_source():
+    snap = {"schema": 1, "info": {"version": "0.1.0", "pid": 1, "source": "/nfs/x", "mountpoint": "/mnt/x"},
+            "uptime_s": 5,
+            "ram": {"hits": 90, "misses": 10, "served_bytes": 1 << 30, "used_bytes": 1 << 20,
+                    "capacity_bytes": 1 << 30, "entries": 3},
+            "disk": {"hits": 5, "misses": 5, "checksum_failures": 2},
+            "source": {"read_range": 5, "bytes": 5 << 20}, "fuse": {"read": 100}}
+    text = format_stats(snap)
+    assert "90.0%" in text and "50.0%" in text
+    assert "1.0 GiB" in text and "2 checksum failures" in text and "/nfs/x" in text
