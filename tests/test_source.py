@@ -1,0 +1,78 @@
+import errno
+import os
+import stat
+
+import pytest
+
+from cachefs.blocks import FileId
+from cachefs.errors import SourceChanged
+from cachefs.mount import _unescape
+from cachefs.source import LocalSource
+
+
+@pytest.fixture
+def src(tmp_path):
+    root = tmp_path / "root"
+    (root / "d").mkdir(parents=True)
+    (root / "d" / "f").write_bytes(b"0123456789")
+    os.symlink("d/f", root / "ln")
+    os.symlink(str(tmp_path / "outside"), root / "escape")
+    (tmp_path / "outside").write_text("secret outside the source")
+    return LocalSource(str(root))
+
+
+def fid_of(src, path):
+    a = src.stat(path)
+    return FileId(path, a.size, a.mtime_ns)
+
+
+def test_stat_does_not_follow_symlinks(src):
+    assert stat.S_ISLNK(src.stat("/ln").mode)
+    assert src.readlink("/escape").endswith("outside")
+
+
+def test_listdir_reports_types_without_stat(src):
+    types = {e.name: e.type_mode for e in src.listdir("/")}
+    assert types == {"d": stat.S_IFDIR, "ln": stat.S_IFLNK, "escape": stat.S_IFLNK}
+
+
+def test_read_range_exact_and_identity_checked(src):
+    fid = fid_of(src, "/d/f")
+    assert src.read_range(fid, 2, 5) == b"23456"
+    with pytest.raises(SourceChanged):
+        src.read_range(fid._replace(size=11), 0, 5)
+    with pytest.raises(SourceChanged):
+        src.read_range(fid._replace(mtime_ns=fid.mtime_ns + 1), 0, 5)
+
+
+def test_read_range_never_follows_a_symlink_out_of_the_source(src):
+    target = src.stat("/escape")
+    with pytest.raises(OSError) as info:
+        src.read_range(FileId("/escape", target.size, target.mtime_ns), 0, 5)
+    assert info.value.errno == errno.ELOOP
+
+
+def test_truncated_file_is_source_changed_not_short_bytes(src, tmp_path):
+    fid = fid_of(src, "/d/f")
+    with open(tmp_path / "root" / "d" / "f", "r+b") as f:
+        f.truncate(4)
+    os.utime(tmp_path / "root" / "d" / "f", ns=(fid.mtime_ns, fid.mtime_ns))  # same mtime, other size
+    with pytest.raises(SourceChanged):
+        src.read_range(fid, 0, 10)
+
+
+@pytest.mark.parametrize("bad", ["/../x", "/d/../../x", "d/f", "/d/./f", "/d//f"])
+def test_escaping_or_malformed_paths_are_einval(src, bad):
+    with pytest.raises(OSError) as info:
+        src.stat(bad)
+    assert info.value.errno == errno.EINVAL
+
+
+def test_statfs_has_the_fields_fuse_needs(src):
+    st = src.statfs()
+    assert st["f_blocks"] > 0 and st["f_bsize"] > 0 and "f_namemax" in st
+
+
+def test_mountinfo_unescaping():
+    assert _unescape(r"/mnt/with\040space") == "/mnt/with space"
+    assert _unescape(r"/a\011tab\012nl\134bs") == "/a\ttab\nnl\\bs"
