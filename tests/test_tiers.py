@@ -95,9 +95,35 @@ def test_disk_tier_detects_corruption_counts_and_drops(disk, tmp_path):
 def test_disk_tier_blob_stored_under_wrong_key_is_a_miss(disk):
     stats = Stats()
     t = disk(stats=stats)
-    t._cache.set(b"k2", encode_block(b"k1", b"data"))
+    t.put_now(b"k2", b"data")
+    t._cache.set(b"k2", encode_block(b"k1", b"data"))   # k1's blob now stored under k2
     assert t.get(b"k2") is None
     assert stats.get("disk.checksum_failures") == 1
+
+
+def test_disk_tier_index_answers_misses_without_the_database(disk):
+    t = disk()
+    t.put_now(b"old", b"x")
+    t.close()
+    t = disk()
+    assert t._index_ready.wait(5)
+    real = t._cache
+
+    class Counting:
+        calls = 0
+
+        def get(self, *a, **k):
+            Counting.calls += 1
+            return real.get(*a, **k)
+
+    t._cache = Counting()
+    try:
+        assert t.get(b"never-stored") is None
+        assert Counting.calls == 0                  # a miss costs a set lookup only
+        assert t.get(b"old") == b"x"                # a block from before the restart is found
+        assert Counting.calls == 1
+    finally:
+        t._cache = real
 
 
 def test_disk_tier_never_exceeds_capacity(disk):

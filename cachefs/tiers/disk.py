@@ -13,12 +13,14 @@ of the database pages plus the value files.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import queue
 import threading
 
 import diskcache
+import xxhash
 
 from cachefs.checksum import HEADER_SIZE, decode_block, encode_block
 from cachefs.config import DISK_WRITE_QUEUE_BYTES
@@ -28,6 +30,20 @@ from cachefs.stats import Stats
 log = logging.getLogger(__name__)
 
 _STOP = object()
+
+
+class _BlockDisk(diskcache.Disk):
+    """diskcache's Disk, writing a bytes value in one write() call.
+
+    Stock diskcache iterates an io.BytesIO, which yields *lines*: a block of random bytes
+    became ~400 write() calls per 110 KB under the GIL, and the background writer then
+    slowed the reads it was caching (a cold epoch took 1.6x longer with the NVMe tier on).
+    """
+
+    def _write(self, full_path, iterator, mode, encoding=None):  # type: ignore[no-untyped-def]
+        if isinstance(iterator, io.BytesIO):
+            iterator = iter((iterator.getvalue(),))
+        return super()._write(full_path, iterator, mode, encoding)
 
 
 class DiskTier:
@@ -48,11 +64,20 @@ class DiskTier:
             eviction_policy="least-recently-stored",
             cull_limit=0,  # we cull ourselves, before a write, so the budget is never exceeded
             statistics=False,
+            disk=_BlockDisk,
         )
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._queue_limit = queue_bytes
         self._qlock = threading.Lock()
+        # Which keys are on disk, as 64-bit hashes: a miss (every block of a cold epoch) is
+        # then a set lookup instead of a SQLite query under the GIL. Loaded in the
+        # background; until then every lookup asks diskcache. A stale "present" (an entry
+        # culled since) just costs that query; entries written by another daemon sharing
+        # the cache dir are not seen by this one until it restarts (a refetch, never wrong bytes).
+        self._present: set[int] = set()
+        self._index_ready = threading.Event()
+        threading.Thread(target=self._load_index, name="cachefs-disk-index", daemon=True).start()
         self._writer = threading.Thread(target=self._write_loop, name="cachefs-disk-writer", daemon=True)
         self._writer.start()
         self._stats.gauge("disk.used_bytes", self._volume)
@@ -77,7 +102,18 @@ class DiskTier:
     def _len(self) -> int:
         return len(self._cache)
 
+    def _load_index(self) -> None:
+        try:
+            rows = self._cache._sql("SELECT key FROM Cache").fetchall()
+            self._present.update(xxhash.xxh3_64_intdigest(k) for (k,) in rows if isinstance(k, bytes))
+            self._index_ready.set()
+            log.info("NVMe tier index: %d blocks", len(rows))
+        except Exception as exc:  # stay correct without it: every lookup asks diskcache
+            log.warning("could not index the NVMe tier (%s); lookups will query it directly", exc)
+
     def get(self, key: bytes) -> bytes | None:
+        if self._index_ready.is_set() and xxhash.xxh3_64_intdigest(key) not in self._present:
+            return None
         try:
             blob = self._cache.get(key, default=None, read=False, retry=True)
         except Exception as exc:
@@ -114,6 +150,7 @@ class DiskTier:
             if self._cache.volume() + len(blob) > self._capacity:
                 self._make_room(len(blob))
             self._cache.set(key, blob, retry=True)
+            self._present.add(xxhash.xxh3_64_intdigest(key))
             # The write itself may have grown the database by a page; trim back under budget.
             if self._cache.volume() > self._capacity:
                 self._make_room(0)
@@ -133,6 +170,7 @@ class DiskTier:
             self._stats.incr("disk.evictions", evicted)
 
     def discard(self, key: bytes) -> None:
+        self._present.discard(xxhash.xxh3_64_intdigest(key))
         try:
             self._cache.delete(key, retry=True)
         except Exception as exc:
