@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachefs import __version__
@@ -29,22 +29,24 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _size(what: str):  # type: ignore[no-untyped-def]
-    def parse(text: str) -> int:
+def _argtype(parse: Callable[[str, str], Any], what: str) -> Callable[[str], Any]:
+    """An argparse type from one of config's parsers, whose CachefsError becomes a usage error."""
+
+    def convert(text: str) -> Any:
         try:
-            return parse_size(text, what)
+            return parse(text, what)
         except CachefsError as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
-    return parse
+
+    return convert
 
 
-def _duration(what: str):  # type: ignore[no-untyped-def]
-    def parse(text: str) -> float:
-        try:
-            return parse_duration(text, what)
-        except CachefsError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-    return parse
+def _size(what: str) -> Callable[[str], int]:
+    return _argtype(parse_size, what)
+
+
+def _duration(what: str) -> Callable[[str], float]:
+    return _argtype(parse_duration, what)
 
 
 def build_parser() -> argparse.ArgumentParser:
