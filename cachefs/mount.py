@@ -392,12 +392,15 @@ def mount(config: Config, out: Callable[[str], None] = print) -> int:
     if text == "OK" and _wait_live(config.mountpoint, pid):
         out(f"cachefs: mounted {summary} (daemon pid {pid}, log {config.log_file})")
         return 0
-    if not text:
+    if text == "OK":
+        text = "the daemon stopped right after mounting"
+    elif not text:
+        text = "the daemon did not report ready in time" if time.monotonic() >= deadline else "the daemon exited"
+    if not text.startswith("ERR"):
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
-        text = "the daemon did not report ready in time" if time.monotonic() >= deadline else "the daemon exited"
     print(f"cachefs: error: mount failed: {text.removeprefix('ERR ')} (log: {config.log_file})", file=sys.stderr)
     return 1
 
