@@ -6,11 +6,16 @@ from typing import NamedTuple
 
 
 class FileId(NamedTuple):
-    """A source file's identity. A change of size or mtime_ns is a new file to the cache."""
+    """A source file's identity. A change of size, mtime or ctime is a new file to the cache.
+
+    ctime catches a file replaced by another of the same size and mtime (cp -p, a tarball
+    re-extracted with fixed mtimes); a chmod also changes it, which only costs a refetch.
+    """
 
     path: str
     size: int
     mtime_ns: int
+    ctime_ns: int = 0
 
 
 def block_count(size: int, block_size: int) -> int:
@@ -41,4 +46,5 @@ def block_key(namespace: bytes, fid: FileId, index: int, block_size: int) -> byt
     decoded with surrogateescape and are encoded back the same way.
     """
     path = fid.path.encode("utf-8", "surrogateescape")
-    return b"%s\0%s\0%d\0%d\0%d\0%d" % (namespace, path, fid.size, fid.mtime_ns, block_size, index)
+    return b"%s\0%s\0%d\0%d\0%d\0%d\0%d" % (namespace, path, fid.size, fid.mtime_ns, fid.ctime_ns,
+                                              block_size, index)

@@ -79,7 +79,10 @@ def parse_size(text: str, what: str = "size") -> int:
             f"invalid {what} {text!r}: expected a number with an optional unit "
             "(B, KiB, MiB, GiB, TiB, K, M, G, T, KB, MB, GB, TB), e.g. 16GiB"
         )
-    return int(float(m.group(1)) * _UNITS[unit])
+    try:
+        return int(float(m.group(1)) * _UNITS[unit])
+    except OverflowError:
+        raise CachefsError(f"invalid {what} {text!r}: too large") from None
 
 
 def format_size(n: float) -> str:

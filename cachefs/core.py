@@ -99,6 +99,13 @@ class Core:
         self.negative_ttl = negative_ttl
         self._attrs = _TTLCache(metadata_entries, clock)
         self._dirs = _TTLCache(max(1, metadata_entries // 10), clock)
+        # Called with a path whose cached identity turned out wrong. The default forgets the
+        # metadata at once; under a mount, fuse_ops holds the file in begin_change() until
+        # the kernel has dropped its attributes and pages, so no read mixes two versions.
+        self.on_source_changed: Callable[[str], None] = self.invalidate
+        self._changing: dict[str, bool] = {}  # path -> kernel already told to drop it
+        self._reading: dict[str, int] = {}  # path -> reads in progress (see wait_reads_done)
+        self._reading_cond = threading.Condition()
         self._inflight: dict[bytes, Future] = {}
         self._inflight_lock = threading.Lock()
         stats.gauge("metadata.entries", lambda: len(self._attrs) + len(self._dirs))
@@ -149,13 +156,47 @@ class Core:
         self._attrs.pop(path)
         self._dirs.pop(path)
 
+    def begin_change(self, path: str) -> None:
+        """A file changed on the source and the kernel may still hold the old version.
+
+        Until end_change(), reads of it fail with ESTALE, so no new block can land next to
+        an old page in one read() (the kernel keeps issuing READs for a read() that began
+        under the old attributes, even after being told to drop them).
+        """
+        with self._reading_cond:
+            self._changing[path] = False
+        self.invalidate(path)
+
+    def kernel_invalidated(self, path: str) -> None:
+        """The kernel has dropped the file's attributes and pages (see fuse_ops)."""
+        if path in self._changing:
+            self._changing[path] = True
+
+    def kernel_getattr(self, path: str) -> None:
+        """The kernel asked for attributes. After its invalidation, that is the start of a
+        read() under the new attributes: from here on the new version is served."""
+        if self._changing.get(path):
+            self.end_change(path)
+
+    def end_change(self, path: str) -> None:
+        self._changing.pop(path, None)
+
+    def wait_reads_done(self, path: str, timeout: float = 10.0) -> bool:
+        """Wait until no read of `path` that began before begin_change() is still running.
+
+        Such a read may be about to hand the kernel a page of the old version; telling the
+        kernel to drop its pages is only final once those have landed.
+        """
+        with self._reading_cond:
+            return self._reading_cond.wait_for(lambda: not self._reading.get(path), timeout)
+
     def file_id(self, path: str) -> FileId:
         attr = self.getattr(path)
         if attr.is_dir:
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
         if not attr.is_file:
             raise OSError(errno.EINVAL, "not a regular file", path)
-        return FileId(path, attr.size, attr.mtime_ns)
+        return FileId(path, attr.size, attr.mtime_ns, attr.ctime_ns)
 
     # -- data --------------------------------------------------------------------------
 
@@ -163,6 +204,22 @@ class Core:
         """Bytes [offset, offset+size) of the file, short only at end of file."""
         if offset < 0 or size < 0:
             raise OSError(errno.EINVAL, "negative offset or size", path)
+        with self._reading_cond:  # the check and the count together, or a read slips past both
+            if self._changing and path in self._changing:
+                raise SourceChanged(path)
+            self._reading[path] = self._reading.get(path, 0) + 1
+        try:
+            return self._read(path, offset, size, fid)
+        finally:
+            with self._reading_cond:
+                left = self._reading[path] - 1
+                if left:
+                    self._reading[path] = left
+                else:
+                    del self._reading[path]
+                    self._reading_cond.notify_all()
+
+    def _read(self, path: str, offset: int, size: int, fid: FileId | None) -> bytes:
         fid = fid or self.file_id(path)
         self.stats.incr("reads.requests")
         blocks = block_range(offset, size, fid.size, self.block_size)
@@ -215,6 +272,11 @@ class Core:
                 del self._inflight[key]
 
     def _fetch(self, key: bytes, fid: FileId, index: int) -> tuple[bytes, str]:
+        # Again under ownership: the previous owner may have finished between our RAM
+        # miss and taking the key, and its NVMe write may still be queued.
+        data = self.cache.ram.get(key)
+        if data is not None:
+            return data, "ram"
         data = self.cache.get_disk(key)
         if data is not None:
             return data, "disk"
@@ -223,7 +285,11 @@ class Core:
             data = self._source_call("read_range", self.source.read_range, fid, offset, length)
         except SourceChanged:
             self.stats.incr("source.changed")
-            self.invalidate(fid.path)
+            self.on_source_changed(fid.path)
+            raise
+        except OSError as exc:
+            if exc.errno in (errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR):
+                self.on_source_changed(fid.path)  # gone or replaced: the cached stat is wrong
             raise
         self.stats.incr("source.bytes", len(data))
         self.cache.put(key, data)

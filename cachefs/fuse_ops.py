@@ -16,11 +16,16 @@ Kernel-side caching does the heavy lifting for a warm epoch:
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import functools
+import itertools
 import json
 import logging
 import os
+import queue
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +34,7 @@ try:
 except ImportError:  # pragma: no cover - only where just fusepy is installed
     import fuse as fuse_binding  # type: ignore[no-redef]
 
+from cachefs.blocks import FileId
 from cachefs.config import FUSE_MAX_THREADS, MAX_READ, Config
 from cachefs.core import Core
 from cachefs.errors import to_errno
@@ -44,6 +50,10 @@ FUSE_CAP_CACHE_SYMLINKS = 1 << 23
 CONTROL_PREFIX = "user.cachefs."
 XATTR_STATS = CONTROL_PREFIX + "stats"
 XATTR_INFO = CONTROL_PREFIX + "info"
+
+# Seconds between a changed file's last old read returning and the kernel being told to
+# drop its pages (twice): time for libfuse to deliver that read's reply.
+REPLY_GRACE = 0.05
 
 _QUIET_ERRNOS = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.ENOSYS}
 
@@ -85,6 +95,13 @@ class CachefsOperations(fuse_binding.Operations):
         self._info = info or {}
         self._owner = os.getuid()
         self.was_mounted = False
+        # --open-per-handle: each open pins the file's identity, so one handle never mixes
+        # blocks of two versions of a file.
+        self._handles: dict[int, FileId] = {}
+        self._next_fh = itertools.count(1)
+        self._fuse_ptr: int | None = None
+        self._changed: queue.Queue[str] = queue.Queue()
+        core.on_source_changed = self._source_changed
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -102,17 +119,53 @@ class CachefsOperations(fuse_binding.Operations):
             if capable & FUSE_CAP_CACHE_SYMLINKS:
                 conn.want = int(conn.want) | FUSE_CAP_CACHE_SYMLINKS
         self.core.stats.set_info(zero_message_open=self.zero_message_open)
+        self._fuse_ptr = fuse_binding._libfuse.fuse_get_context().contents.fuse
+        threading.Thread(target=self._invalidate_loop, name="cachefs-invalidate", daemon=True).start()
         self.was_mounted = True
         if self._on_ready is not None:
             self._on_ready()
 
     def destroy(self, path: str) -> None:
+        self._changed.put("")  # stops the invalidation thread
         self.core.close()
+
+    def _source_changed(self, path: str) -> None:
+        self.core.begin_change(path)
+        self._changed.put(path)
+
+    def _invalidate_loop(self) -> None:
+        """Make the kernel forget a changed file, then let the daemon see its new identity.
+
+        In that order: the kernel may hold the old size and pages of the file for a whole
+        --metadata-ttl, and a daemon already serving new blocks under the old size would
+        hand readers a mix of two versions. Until the kernel is told, reads of the file
+        fail with ESTALE (Core.begin_change). Not done in the request thread: libfuse forbids
+        notifications from inside a related operation (it can deadlock on page locks).
+        """
+        invalidate = fuse_binding._libfuse.fuse_invalidate_path
+        invalidate.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        invalidate.restype = ctypes.c_int
+        while True:
+            path = self._changed.get()
+            if not path:
+                return
+            self.core.wait_reads_done(path)
+            # A read that just returned has its reply still on the way into the page cache;
+            # so drop the pages after a moment, and once more after that.
+            for _ in range(2):
+                time.sleep(REPLY_GRACE)
+                try:
+                    invalidate(self._fuse_ptr, path.encode("utf-8", "surrogateescape"))
+                except Exception as exc:  # an unknown path (-ENOENT) is fine: nothing to drop
+                    log.debug("invalidating %s in the kernel failed: %s", path, exc)
+            self.core.kernel_invalidated(path)
+            log.info("%s changed on the source; readers get the new version from their next read()", path)
 
     # -- metadata ------------------------------------------------------------------------
 
     @_fuse_op
     def getattr(self, path: str, fh: Any = None) -> dict:
+        self.core.kernel_getattr(path)
         return self.core.getattr(path).to_fuse()
 
     @_fuse_op
@@ -144,14 +197,21 @@ class CachefsOperations(fuse_binding.Operations):
             raise FuseOSError(errno.ENOSYS)
         if fi.flags & (os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND):
             raise FuseOSError(errno.EROFS)
-        self.core.file_id(path)  # ENOENT/EISDIR now rather than at the first read
-        fi.fh = 0
+        fh = next(self._next_fh)
+        self._handles[fh] = self.core.file_id(path)  # ENOENT/EISDIR now, not at the first read
+        fi.fh = fh
         fi.keep_cache = 1
         return 0
 
     @_fuse_op
     def read(self, path: str, size: int, offset: int, fh: Any) -> bytes:
-        return self.core.read(path, offset, size)
+        fid = self._handles.get(fh.fh) if fh is not None else None
+        return self.core.read(path, offset, size, fid=fid)
+
+    @_fuse_op
+    def release(self, path: str, fh: Any) -> int:
+        self._handles.pop(fh.fh, None)
+        return 0
 
     # -- extended attributes and the control interface -------------------------------------
 

@@ -83,7 +83,7 @@ def list_mounts() -> list[MountEntry]:
 
 def find_mount(path: str) -> MountEntry | None:
     """The mount whose mount point is exactly `path` (the last one if stacked)."""
-    path = os.path.abspath(path)
+    path = os.path.realpath(os.path.abspath(path))  # mountinfo records resolved paths
     found = None
     for entry in list_mounts():
         if entry.mountpoint == path:
@@ -108,14 +108,25 @@ def fusermount_unmount(mountpoint: str, lazy: bool = False) -> subprocess.Comple
     return subprocess.run(cmd, capture_output=True, text=True)
 
 
-def is_stale(mountpoint: str) -> bool:
-    """A FUSE mount whose daemon is gone. statfs, because the kernel never caches it:
-    stat() of a dead mount's root can still succeed from the attribute cache."""
-    try:
-        os.statvfs(mountpoint)
-    except OSError as exc:
-        return exc.errno == errno.ENOTCONN
-    return False
+def is_stale(mountpoint: str, timeout: float = 5.0) -> bool:
+    """A FUSE mount whose daemon is gone (or hangs for `timeout` seconds).
+
+    statfs, because the kernel never caches it: stat() of a dead mount's root can still
+    succeed from the attribute cache. In a thread, because a stopped daemon makes it block.
+    """
+    result: list[bool] = []
+
+    def probe() -> None:
+        try:
+            os.statvfs(mountpoint)
+            result.append(False)
+        except OSError as exc:
+            result.append(exc.errno == errno.ENOTCONN)
+
+    t = threading.Thread(target=probe, daemon=True)
+    t.start()
+    t.join(timeout)
+    return result[0] if result else True
 
 
 # -- validation ----------------------------------------------------------------------------
@@ -146,8 +157,9 @@ def resolve_sizes(config: Config) -> None:
 def validate(config: Config, clean_stale: bool = True) -> list[str]:
     """Check a mount request; raise CachefsError (exit 2) on bad input, return notices.
 
-    Writes nothing, except that a stale cachefs mount left by a dead daemon at the mount
-    point is cleared (and that is reported in the returned notices).
+    Writes nothing, except (only once every other check has passed) clearing a stale
+    cachefs mount left at the mount point by a dead daemon, which the notices report,
+    and creating the cache dir.
     """
     notices: list[str] = []
     src = os.path.abspath(config.source)
@@ -159,29 +171,15 @@ def validate(config: Config, clean_stale: bool = True) -> list[str]:
         raise CachefsError(f"source {config.source!r} is not readable by this user")
     src = os.path.realpath(src)
 
-    mp = os.path.abspath(config.mountpoint)
-    if is_stale(mp):
+    mp = os.path.realpath(os.path.abspath(config.mountpoint))
+    stale = is_stale(mp)
+    if stale:
         entry = find_mount(mp)
         if entry is None or entry.fstype != FSTYPE:
             kind = entry.fstype if entry else "unknown"
             raise CachefsError(f"{mp} is a dead mount of type {kind}; unmount it first: fusermount3 -uz {mp}")
         if not clean_stale:
             raise CachefsError(f"{mp} is a stale cachefs mount (its daemon died); run: cachefs umount {mp}")
-        result = fusermount_unmount(mp, lazy=True)
-        if result.returncode != 0 or is_stale(mp):
-            raise CachefsError(f"{mp} is a stale cachefs mount and clearing it failed: {result.stderr.strip()}")
-        notices.append(f"cleared a stale cachefs mount at {mp} (its daemon had died)")
-    if not os.path.exists(mp):
-        raise CachefsError(f"mount point {config.mountpoint!r} does not exist (create it: mkdir -p {mp})")
-    if not os.path.isdir(mp):
-        raise CachefsError(f"mount point {config.mountpoint!r} is not a directory")
-    if os.path.ismount(mp) or find_mount(mp) is not None:
-        entry = find_mount(mp)
-        what = f" ({entry.fstype} of {entry.source})" if entry else ""
-        raise CachefsError(f"{mp} is already a mount point{what}")
-    if os.listdir(mp):
-        raise CachefsError(f"mount point {config.mountpoint!r} is not empty")
-    mp = os.path.realpath(mp)
     if _inside(mp, src):
         raise CachefsError(f"mount point {mp} is inside the source {src}: the mount would contain itself")
     if _inside(src, mp):
@@ -198,6 +196,16 @@ def validate(config: Config, clean_stale: bool = True) -> list[str]:
         if os.stat(cache).st_uid != os.getuid():
             raise CachefsError(f"cache dir {config.cache_dir!r} belongs to another user; "
                                "it holds copies of data, so cachefs only uses its own")
+    if config.log_file is not None:
+        log_file = os.path.realpath(os.path.abspath(config.log_file))
+        if _inside(log_file, src) or _inside(log_file, mp):
+            raise CachefsError(f"log file {log_file} is inside the source or the mount point")
+        if os.path.isdir(log_file):
+            raise CachefsError(f"log file {config.log_file!r} is a directory")
+        parent = os.path.dirname(log_file)
+        if not _inside(parent, cache) and not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
+            raise CachefsError(f"cannot write the log file {config.log_file!r}: {parent} is not a writable directory")
+        config.log_file = log_file
     if not 4096 <= config.block_size <= 256 << 20 or config.block_size % 4096:
         raise CachefsError(f"block size {config.block_size} must be a multiple of 4 KiB between 4 KiB and 256 MiB")
     if config.metadata_ttl < 0 or config.negative_ttl < 0:
@@ -217,7 +225,23 @@ def validate(config: Config, clean_stale: bool = True) -> list[str]:
     if not os.path.exists("/dev/fuse"):
         raise CachefsError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run with --device /dev/fuse")
     _fusermount()
-    _probe_cache_dir(cache)  # last: the only check that may write (it creates the cache dir)
+
+    if stale:
+        result = fusermount_unmount(mp, lazy=True)
+        if result.returncode != 0 or is_stale(mp):
+            raise CachefsError(f"{mp} is a stale cachefs mount and clearing it failed: {result.stderr.strip()}")
+        notices.append(f"cleared a stale cachefs mount at {mp} (its daemon had died)")
+    if not os.path.exists(mp):
+        raise CachefsError(f"mount point {config.mountpoint!r} does not exist (create it: mkdir -p {mp})")
+    if not os.path.isdir(mp):
+        raise CachefsError(f"mount point {config.mountpoint!r} is not a directory")
+    entry = find_mount(mp)
+    if os.path.ismount(mp) or entry is not None:
+        what = f" ({entry.fstype} of {entry.source})" if entry else ""
+        raise CachefsError(f"{mp} is already a mount point{what}")
+    if os.listdir(mp):
+        raise CachefsError(f"mount point {config.mountpoint!r} is not empty")
+    _probe_cache_dir(cache)  # last: it creates the cache dir
 
     config.source, config.mountpoint, config.cache_dir = src, mp, cache
     return notices
@@ -331,6 +355,7 @@ def setup_logging(verbose: int, log_file: str | None) -> None:
 
 def mount(config: Config, out: Callable[[str], None] = print) -> int:
     """`cachefs mount`: validate, then serve in the foreground or as a daemon."""
+    os.umask(0o077)  # the cache dir, its blocks and the log are private to this user
     notices = validate(config)
     for notice in notices:
         print(f"cachefs: {notice}", file=sys.stderr)
@@ -342,7 +367,12 @@ def mount(config: Config, out: Callable[[str], None] = print) -> int:
 
     if config.foreground:
         setup_logging(config.verbose, config.log_file)
-        serve(config, on_ready=lambda: out(f"cachefs: mounted {summary}; Ctrl-C to unmount"))
+        try:
+            serve(config, on_ready=lambda: out(f"cachefs: mounted {summary}; Ctrl-C to unmount"))
+        except (OSError, RuntimeError) as exc:
+            log.debug("%s", traceback.format_exc())
+            print(f"cachefs: error: mount failed: {exc}", file=sys.stderr)
+            return 1
         return 0
 
     rfd, wfd = os.pipe()
@@ -352,16 +382,20 @@ def mount(config: Config, out: Callable[[str], None] = print) -> int:
         code = 1
         try:
             os.setsid()
+            os.chdir("/")  # do not keep the caller's directory (and its file system) busy
             devnull = os.open(os.devnull, os.O_RDWR)
             os.dup2(devnull, 0)
+            os.close(devnull)
             assert config.log_file is not None
             logfd = os.open(config.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             os.dup2(logfd, 1)
             os.dup2(logfd, 2)
+            os.close(logfd)
             setup_logging(config.verbose, config.log_file)
 
             def ready() -> None:
                 os.write(wfd, b"OK\n")
+                os.close(wfd)
 
             serve(config, on_ready=ready)
             code = 0
@@ -369,7 +403,7 @@ def mount(config: Config, out: Callable[[str], None] = print) -> int:
             log.error("daemon failed: %s", exc)
             log.debug("%s", traceback.format_exc())
             try:
-                os.write(wfd, f"ERR {exc}\n".encode())
+                os.write(wfd, f"ERR {exc}\n".encode())  # fails harmlessly if ready() closed it
             except OSError:
                 pass
         finally:
@@ -466,11 +500,13 @@ def unmount(mountpoint: str, timeout: float = 30.0) -> str:
         raise CachefsError(f"unmounting {mp} failed: {msg}")
     if pid is not None:
         deadline = time.monotonic() + timeout
-        while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             try:
                 if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
                     break
             except psutil.NoSuchProcess:
                 break
             time.sleep(0.05)
+        else:
+            return f"unmounted {mp}; its daemon (pid {pid}) is still finishing cache writes"
     return f"unmounted {mp}"

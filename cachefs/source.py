@@ -97,7 +97,15 @@ def check_relpath(path: str) -> str:
 
 
 class LocalSource:
-    """A directory reachable through the local VFS (NFS, SMB, sshfs, HDD, another FUSE)."""
+    """A directory reachable through the local VFS (NFS, SMB, sshfs, HDD, another FUSE).
+
+    Every access resolves the parent directory to a file descriptor and checks through
+    /proc/self/fd that it still lies inside the root, then works relative to that
+    descriptor with O_NOFOLLOW: a directory swapped for a symlink on the source can never
+    lead the daemon outside it. (O_NOFOLLOW alone guards only the last component.) The
+    check costs local system calls only: opening a directory with O_PATH sends nothing to
+    an NFS server whose dentries are cached.
+    """
 
     def __init__(self, root: str):
         self.root = os.path.realpath(root)
@@ -105,43 +113,80 @@ class LocalSource:
         # the file's owner (or root), so fall back without it on EPERM.
         self._noatime = getattr(os, "O_NOATIME", 0)
 
-    def _full(self, path: str) -> str:
+    def _inside(self, fd: int, path: str) -> None:
+        real = os.readlink(f"/proc/self/fd/{fd}")
+        if real != self.root and not real.startswith(self.root.rstrip("/") + "/"):
+            raise PermissionError(errno.EACCES, "path leaves the source through a symlink", path)
+
+    def _parent(self, path: str) -> tuple[int, str]:
+        """(O_PATH descriptor of the verified parent directory, last component)."""
         rel = check_relpath(path)
-        return os.path.join(self.root, rel) if rel else self.root
+        parent, _, name = rel.rpartition("/")
+        fd = os.open(os.path.join(self.root, parent) if parent else self.root,
+                     os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self._inside(fd, path)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, name
 
     def stat(self, path: str) -> Attr:
-        return Attr.from_stat(os.lstat(self._full(path)))
+        if path == "/":
+            return Attr.from_stat(os.lstat(self.root))
+        fd, name = self._parent(path)
+        try:
+            return Attr.from_stat(os.stat(name, dir_fd=fd, follow_symlinks=False))
+        finally:
+            os.close(fd)
+
+    def _open_dir(self, path: str) -> int:
+        if path == "/":
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd, name = self._parent(path)
+        try:
+            return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+        finally:
+            os.close(fd)
 
     def listdir(self, path: str) -> list[DirEntry]:
         out = []
-        with os.scandir(self._full(path)) as it:
-            for entry in it:
-                try:
-                    # d_type from the directory itself: no per-entry stat on the source.
-                    if entry.is_symlink():
-                        kind = stat_mod.S_IFLNK
-                    elif entry.is_dir(follow_symlinks=False):
-                        kind = stat_mod.S_IFDIR
-                    elif entry.is_file(follow_symlinks=False):
-                        kind = stat_mod.S_IFREG
-                    else:
-                        kind = stat_mod.S_IFMT(entry.stat(follow_symlinks=False).st_mode)
-                except OSError:
-                    kind = 0  # vanished while listing: report it, a lookup will say ENOENT
-                out.append(DirEntry(entry.name, kind))
+        dfd = self._open_dir(path)
+        try:
+            with os.scandir(dfd) as it:
+                for entry in it:
+                    try:
+                        # d_type from the directory itself: no per-entry stat on the source.
+                        if entry.is_symlink():
+                            kind = stat_mod.S_IFLNK
+                        elif entry.is_dir(follow_symlinks=False):
+                            kind = stat_mod.S_IFDIR
+                        elif entry.is_file(follow_symlinks=False):
+                            kind = stat_mod.S_IFREG
+                        else:
+                            kind = stat_mod.S_IFMT(entry.stat(follow_symlinks=False).st_mode)
+                    except OSError:
+                        kind = 0  # vanished while listing: report it, a lookup will say ENOENT
+                    out.append(DirEntry(entry.name, kind))
+        finally:
+            os.close(dfd)
         return out
 
-    def _open(self, full: str) -> int:
+    def _open_file(self, path: str) -> int:
+        fd, name = self._parent(path)
         flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
-        if self._noatime:
-            try:
-                return os.open(full, flags | self._noatime)
-            except PermissionError:
-                self._noatime = 0
-        return os.open(full, flags)
+        try:
+            if self._noatime:
+                try:
+                    return os.open(name, flags | self._noatime, dir_fd=fd)
+                except PermissionError:
+                    self._noatime = 0
+            return os.open(name, flags, dir_fd=fd)
+        finally:
+            os.close(fd)
 
     def read_range(self, fid: FileId, offset: int, size: int) -> bytes:
-        fd = self._open(self._full(fid.path))
+        fd = self._open_file(fid.path)
         try:
             self._check(fd, fid)
             chunks = []
@@ -163,12 +208,17 @@ class LocalSource:
     @staticmethod
     def _check(fd: int, fid: FileId) -> None:
         st = os.fstat(fd)
-        if st.st_size != fid.size or st.st_mtime_ns != fid.mtime_ns:
+        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (fid.size, fid.mtime_ns, fid.ctime_ns):
             raise SourceChanged(fid.path)
 
     def readlink(self, path: str) -> str:
         # Returned as stored: the link is passed through, never resolved by cachefs.
-        return os.readlink(self._full(path))
+        fd, name = self._parent(path)
+        try:
+            return os.readlink(name, dir_fd=fd)
+        finally:
+            os.close(fd)
+
 
     def statfs(self) -> dict:
         st = os.statvfs(self.root)
@@ -176,8 +226,18 @@ class LocalSource:
                 "f_files", "f_ffree", "f_favail", "f_namemax")
         return {k: getattr(st, k) for k in keys}
 
+    def _via_parent(self, path: str, fn):  # type: ignore[no-untyped-def]
+        """Call fn(p) with a path through the verified parent's /proc/self/fd link."""
+        if path == "/":
+            return fn(self.root)
+        fd, name = self._parent(path)
+        try:
+            return fn(f"/proc/self/fd/{fd}/{name}")
+        finally:
+            os.close(fd)
+
     def getxattr(self, path: str, name: str) -> bytes:
-        return os.getxattr(self._full(path), name, follow_symlinks=False)
+        return self._via_parent(path, lambda p: os.getxattr(p, name, follow_symlinks=False))
 
     def listxattr(self, path: str) -> list[str]:
-        return os.listxattr(self._full(path), follow_symlinks=False)
+        return self._via_parent(path, lambda p: os.listxattr(p, follow_symlinks=False))

@@ -41,6 +41,7 @@ def test_block_key_carries_identity_and_geometry():
     k = block_key(b"ns", fid, 0, 4096)
     assert k != block_key(b"ns", FileId("/a/b", 11, 123), 0, 4096)   # size change
     assert k != block_key(b"ns", FileId("/a/b", 10, 124), 0, 4096)   # mtime change
+    assert k != block_key(b"ns", FileId("/a/b", 10, 123, 9), 0, 4096)  # ctime change
     assert k != block_key(b"ns", fid, 1, 4096)                       # other block
     assert k != block_key(b"ns", fid, 0, 8192)                       # other block size
     assert k != block_key(b"other", fid, 0, 4096)                    # other source

@@ -13,7 +13,7 @@ def test_parse_size_accepts(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["12XB", "", "GiB", "-5G", "1e9", "1,5G", "10 G B", "nan", "0x10"])
+@pytest.mark.parametrize("text", ["12XB", "", "GiB", "-5G", "1e9", "1,5G", "10 G B", "nan", "0x10", "9" * 400 + "GiB"])
 def test_parse_size_rejects_with_clear_message(text):
     with pytest.raises(CachefsError, match="invalid --ram-size"):
         parse_size(text, "--ram-size")

@@ -193,7 +193,8 @@ def test_disk_tier_serves_a_fresh_core_without_the_source(tmp_path, source):
     core.read("/f", 0, len(data))
     d1.flush()
     d1.close()
-    fid = FileId("/f", len(data), source.stat("/f").mtime_ns)
+    st = source.stat("/f")
+    fid = FileId("/f", len(data), st.mtime_ns, st.ctime_ns)
     d2 = DiskTier(str(tmp_path), 10 << 20, Stats())
     core2 = make_core(source, disk=d2, block_size=BS)
     before = source.calls["read_range"]
@@ -201,3 +202,32 @@ def test_disk_tier_serves_a_fresh_core_without_the_source(tmp_path, source):
     assert source.calls["read_range"] == before
     assert core2.stats.get("disk.hits") == 4
     d2.close()
+
+
+def test_a_deleted_file_keeps_its_errno_and_drops_the_stale_metadata(source, clock):
+    source.add_file("/f", b"data")
+    core = make_core(source, clock=clock)
+    core.getattr("/f")
+    source.remove("/f")
+    seen = []
+    core.on_source_changed = lambda p: (seen.append(p), core.invalidate(p))
+    with pytest.raises(FileNotFoundError):
+        core.read("/f", 0, 4)
+    assert seen == ["/f"]
+    with pytest.raises(FileNotFoundError):
+        core.getattr("/f")                      # asked the source again: it is gone
+    assert source.calls["stat"] == 2
+
+
+def test_change_hook_runs_before_metadata_is_refreshed(source, clock):
+    source.add_file("/f", b"a" * 10, mtime_ns=1)
+    core = make_core(source, clock=clock)
+    core.getattr("/f")
+    source.add_file("/f", b"b" * 10, mtime_ns=2)
+    held = []
+    core.on_source_changed = held.append        # e.g. waiting for the kernel to drop its pages
+    for _ in range(2):
+        with pytest.raises(OSError) as info:
+            core.read("/f", 0, 10)
+        assert info.value.errno == errno.ESTALE  # never the new bytes under the old identity
+    assert held == ["/f", "/f"]

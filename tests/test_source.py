@@ -23,7 +23,7 @@ def src(tmp_path):
 
 def fid_of(src, path):
     a = src.stat(path)
-    return FileId(path, a.size, a.mtime_ns)
+    return FileId(path, a.size, a.mtime_ns, a.ctime_ns)
 
 
 def test_stat_does_not_follow_symlinks(src):
@@ -48,7 +48,7 @@ def test_read_range_exact_and_identity_checked(src):
 def test_read_range_never_follows_a_symlink_out_of_the_source(src):
     target = src.stat("/escape")
     with pytest.raises(OSError) as info:
-        src.read_range(FileId("/escape", target.size, target.mtime_ns), 0, 5)
+        src.read_range(FileId("/escape", target.size, target.mtime_ns, target.ctime_ns), 0, 5)
     assert info.value.errno == errno.ELOOP
 
 
@@ -76,3 +76,30 @@ def test_statfs_has_the_fields_fuse_needs(src):
 def test_mountinfo_unescaping():
     assert _unescape(r"/mnt/with\040space") == "/mnt/with space"
     assert _unescape(r"/a\011tab\012nl\134bs") == "/a\ttab\nnl\\bs"
+
+
+def test_a_directory_swapped_for_a_symlink_cannot_lead_outside(tmp_path):
+    root = tmp_path / "root"
+    (root / "a").mkdir(parents=True)
+    (root / "a" / "secret").write_text("inside")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret").write_text("OUTSIDE")
+    src = LocalSource(str(root))
+    fid = fid_of(src, "/a/secret")
+    assert src.read_range(fid, 0, 6) == b"inside"
+    # the source changes under us: /a becomes a symlink to a directory outside
+    (root / "a" / "secret").unlink()
+    (root / "a").rmdir()
+    os.symlink(str(outside), root / "a")
+    for call in (lambda: src.stat("/a/secret"), lambda: src.listdir("/a"),
+                 lambda: src.read_range(fid_of_outside(outside), 0, 7),
+                 lambda: src.getxattr("/a/secret", "user.x")):
+        with pytest.raises(OSError) as info:
+            call()
+        assert info.value.errno in (errno.EACCES, errno.ENOTDIR, errno.ELOOP), info.value
+
+
+def fid_of_outside(outside):
+    st = os.stat(outside / "secret")
+    return FileId("/a/secret", st.st_size, st.st_mtime_ns, st.st_ctime_ns)

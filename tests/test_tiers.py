@@ -1,5 +1,6 @@
 import os
 import random
+import time
 
 import pytest
 
@@ -178,3 +179,17 @@ def test_multilevel_promotes_disk_hits_into_ram(disk):
     assert stats.get("ram.promotions") == 1
     assert stats.get("disk.hits") == 1 and stats.get("ram.hits") == 1
     assert cache.get(b"missing") == (None, "miss")
+
+
+def test_disk_tier_reopened_with_a_smaller_budget_trims_itself(disk):
+    t = disk(capacity=8 << 20)
+    for i in range(40):
+        t.put_now(b"k%d" % i, bytes(150_000))
+    assert t.used_bytes > 4 << 20
+    t.close()
+    small = disk(capacity=2 << 20)
+    small.flush()  # the writer trims before its first write
+    deadline = time.monotonic() + 5
+    while small.used_bytes > 2 << 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert small.used_bytes <= 2 << 20

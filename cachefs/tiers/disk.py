@@ -180,6 +180,11 @@ class DiskTier:
         return key in self._cache
 
     def _write_loop(self) -> None:
+        try:  # a remount with a smaller --disk-size: back under budget before anything else
+            if self._cache.volume() > self._capacity:
+                self._make_room(0)
+        except Exception as exc:
+            log.warning("could not trim the NVMe tier to its budget (%s)", exc)
         while True:
             item = self._queue.get()
             try:

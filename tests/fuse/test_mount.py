@@ -424,3 +424,40 @@ def test_corrupted_cache_block_is_detected_and_refetched(tmp_path, mounts):
     s = stats(mp)
     assert s["disk"]["checksum_failures"] == 1
     assert s["source"]["read_range"] == 1
+
+
+def test_a_file_rewritten_mid_read_is_never_served_as_a_mix(tmp_path, mounts):
+    src = tmp_path / "src"
+    src.mkdir()
+    old, new = os.urandom(4 << 20), os.urandom(3 << 20)
+    (src / "f").write_bytes(old)
+    mp = mounts.cachefs(str(src))                  # default TTL: the kernel trusts old attrs for an hour
+    with open(mp / "f", "rb") as f:
+        assert f.read(4096) == old[:4096]          # the start of the old version is now cached
+    (src / "f").write_bytes(new)
+    outcomes = set()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            got = (mp / "f").read_bytes()
+        except OSError as exc:
+            assert exc.errno == errno.ESTALE, exc
+            outcomes.add("ESTALE")
+            time.sleep(0.05)
+            continue
+        assert got in (old, new), "a mix of two versions was served"
+        outcomes.add("new" if got == new else "old")
+        if got == new:
+            break
+    assert "new" in outcomes, outcomes               # the kernel was told; the new file is served
+    assert stats(mp)["source"]["changed"] >= 1
+
+
+def test_open_per_handle_mode_serves_the_same_bytes(zoo, mounts):
+    mp = mounts.cachefs(zoo, extra=["--open-per-handle"])
+    for name in ("one", "block-plus-one", "emoji_😀.bin"):
+        with open(os.path.join(mp, name), "rb") as f:
+            assert f.read() == open(os.path.join(zoo, name), "rb").read()
+    s = stats(mp)
+    assert s["fuse"]["open"] == 3 and s["fuse"]["release"] == 3
+    assert s["info"]["zero_message_open"] is False
