@@ -13,6 +13,9 @@ from cachefs.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_METADATA_TTL,
     DEFAULT_NEGATIVE_TTL,
+    DEFAULT_PREFETCH_WORKERS,
+    DEFAULT_READAHEAD,
+    READAHEAD_MODES,
     Config,
     default_cache_dir,
     format_size,
@@ -78,6 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
                            "for an immutable dataset)")
     meta.add_argument("--negative-ttl", type=_duration("--negative-ttl"), default=DEFAULT_NEGATIVE_TTL,
                       metavar="SECONDS", help="how long 'no such file' is remembered (default: %(default)gs)")
+    ra = m.add_argument_group("read-ahead and warming")
+    ra.add_argument("--readahead", choices=READAHEAD_MODES, default=DEFAULT_READAHEAD,
+                    help="off; file: fetch ahead of sequential readers inside big files; dir: that, plus "
+                         "the unread files of each directory the job reads, in sorted order, into free "
+                         "cache space only (default: %(default)s)")
+    ra.add_argument("--prefetch-workers", type=int, default=DEFAULT_PREFETCH_WORKERS, metavar="N",
+                    help="parallel source fetches for read-ahead and warming; demand misses do not "
+                         "wait for these (default: %(default)s)")
+    ra.add_argument("--warm", action="store_true",
+                    help="load the whole source into the cache in the background, below the job's own reads")
     run = m.add_argument_group("running")
     run.add_argument("-f", "--foreground", action="store_true",
                      help="stay in the foreground (log to stderr); Ctrl-C or SIGTERM unmounts")
@@ -94,6 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Hits, misses and occupancy per tier, and source traffic, of a cachefs mount.")
     s.add_argument("mountpoint", nargs="?", help="a cachefs mount point (default: list all cachefs mounts)")
     s.add_argument("--json", action="store_true", help="print the raw snapshot as JSON (schema in README)")
+
+    w = sub.add_parser("warm", help="load files into a mount's cache ahead of training",
+                       description="Load PATHs (files or directories on a cachefs mount) into the cache, in the "
+                                   "store's order, in parallel, below any training reads. Safe while training "
+                                   "runs; run it again to resume. Ctrl-C stops it.")
+    w.add_argument("paths", nargs="+", metavar="PATH")
+    w.add_argument("--json", action="store_true", help="print the final report as JSON")
 
     u = sub.add_parser("umount", aliases=["unmount"], help="unmount a cachefs mount",
                        description="Unmount and wait for the daemon to finish writing the cache.")
@@ -166,8 +186,67 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         metadata_ttl=args.metadata_ttl, negative_ttl=args.negative_ttl, foreground=args.foreground,
         allow_other=args.allow_other, log_file=args.log_file, verbose=args.verbose,
         debug_fuse=args.debug_fuse, zero_message_open=not args.open_per_handle,
+        readahead=args.readahead, prefetch_workers=args.prefetch_workers, warm=args.warm,
     )
     return mount(config)
+
+
+def _progress_line(p: dict[str, Any]) -> str:
+    total = max(p["files_total"], 1)
+    elapsed = max(p["elapsed_s"], 1e-6)
+    rate = p["bytes_loaded"] / elapsed
+    files_rate = p["files_done"] / elapsed
+    eta = (p["files_total"] - p["files_done"]) / files_rate if files_rate > 0 else 0
+    return (f"warm: {p['files_done']}/{p['files_total']} files ({p['files_done'] / total:.0%}), "
+            f"{format_size(p['bytes_loaded'])} loaded, {format_size(rate)}/s, ETA {eta:.0f}s")
+
+
+def _cmd_warm(args: argparse.Namespace) -> int:
+    import os
+
+    from cachefs.control import request
+    from cachefs.mount import control_address, mount_of
+
+    targets: dict[str, list[str]] = {}
+    for path in args.paths:
+        if not os.path.exists(path):
+            raise CachefsError(f"{path} does not exist")
+        mp, rel = mount_of(path)
+        targets.setdefault(mp, []).append(rel)
+    tty = sys.stderr.isatty()
+    code = 0
+    for mp, rels in targets.items():
+        final: dict[str, Any] = {}
+        last_print = 0.0
+        try:
+            for reply in request(control_address(mp), {"op": "warm", "paths": rels}):
+                if "error" in reply:
+                    raise CachefsError(f"warm of {mp}: {reply['error']}")
+                if reply.get("final"):
+                    final = reply
+                    break
+                if tty:
+                    print("\r" + _progress_line(reply).ljust(100), end="", file=sys.stderr, flush=True)
+                elif reply["elapsed_s"] - last_print >= 10:
+                    last_print = reply["elapsed_s"]
+                    print(_progress_line(reply), file=sys.stderr, flush=True)
+        except OSError as exc:
+            raise CachefsError(f"cannot reach the daemon of {mp}: {exc.strerror or exc}") from None
+        if tty:
+            print("\r" + " " * 100 + "\r", end="", file=sys.stderr)
+        if args.json:
+            print(json.dumps(final))
+        else:
+            not_fit = final["files_total"] - final["files_done"] + final["files_no_room"]
+            print(f"cachefs: warmed {mp} {' '.join(rels)} in {final['elapsed_s']:.1f}s: "
+                  f"{final['files_loaded']} files loaded ({format_size(final['bytes_loaded'])}), "
+                  f"{final['files_cached']} already cached, {not_fit} did not fit, {final['files_failed']} failed")
+        if final.get("state") == "no_room":
+            print("cachefs: the cache is full: raise --ram-size/--disk-size to hold the rest", file=sys.stderr)
+            code = max(code, 1)
+        if final.get("files_failed"):
+            code = max(code, 1)
+    return code
 
 
 def _cmd_umount(args: argparse.Namespace) -> int:
@@ -180,7 +259,8 @@ def _cmd_umount(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    commands = {"mount": _cmd_mount, "stats": _cmd_stats, "umount": _cmd_umount, "unmount": _cmd_umount}
+    commands = {"mount": _cmd_mount, "stats": _cmd_stats, "umount": _cmd_umount, "unmount": _cmd_umount,
+                "warm": _cmd_warm}
     if args.command is None:
         parser.print_help()
         return 2
@@ -190,6 +270,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"cachefs: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
+        if args.command == "warm":
+            print("\ncachefs: warm stopped; run it again to resume", file=sys.stderr)
         return 130
 
 

@@ -20,6 +20,19 @@ GiB = 1024 * MiB
 # It also equals the largest kernel read request, so one request maps to one block.
 DEFAULT_BLOCK_SIZE = 1 * MiB
 
+# Read-ahead: "off", "file" (ahead of sequential readers inside big files) or "dir" (that,
+# plus the not-yet-read files of every directory the job reads, in sorted order).
+READAHEAD_MODES = ("off", "file", "dir")
+DEFAULT_READAHEAD = "dir"
+
+# Furthest a sequential reader is read ahead (bytes), and the most of one file that
+# directory read-ahead fetches before the reader shows up.
+DEFAULT_READAHEAD_MAX = 32 * MiB
+
+# Source fetchers in the prefetch pool (read-ahead and warming; demand misses run in the
+# reader's own FUSE thread). See README, "Prefetch workers", for the measurement.
+DEFAULT_PREFETCH_WORKERS = 16
+
 # Metadata TTL (seconds) for stat results and directory listings, in cachefs and in the
 # kernel. Training data sets are immutable while a job runs; an hour keeps a whole epoch
 # from ever asking the source for metadata twice. Use --metadata-ttl 1 for a changing tree.
@@ -126,3 +139,6 @@ class Config:
     verbose: int = 0
     debug_fuse: bool = False
     zero_message_open: bool = True
+    readahead: str = DEFAULT_READAHEAD
+    prefetch_workers: int = DEFAULT_PREFETCH_WORKERS
+    warm: bool = False

@@ -13,20 +13,35 @@ Data path of `read(path, offset, size)`:
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import logging
+import stat as stat_mod
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from cachefs.blocks import FileId, block_extent, block_key, block_range
-from cachefs.config import DEFAULT_BLOCK_SIZE, DEFAULT_METADATA_TTL, DEFAULT_NEGATIVE_TTL, METADATA_MAX_ENTRIES
+from cachefs.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_METADATA_TTL,
+    DEFAULT_NEGATIVE_TTL,
+    DEFAULT_READAHEAD_MAX,
+    METADATA_MAX_ENTRIES,
+    READAHEAD_MODES,
+)
 from cachefs.errors import SourceChanged
+from cachefs.prefetch import DIR, READAHEAD, WARM, Prefetcher
+from cachefs.readahead import DirectoryCursor, SequentialReadahead, StreamTable
 from cachefs.source import Attr, DirEntry, Source
 from cachefs.stats import Stats
 from cachefs.tiers.multilevel import MultiLevelCache
+
+if TYPE_CHECKING:
+    from cachefs.warm import WarmJob
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +102,9 @@ class Core:
         negative_ttl: float = DEFAULT_NEGATIVE_TTL,
         clock: Callable[[], float] = time.monotonic,
         metadata_entries: int = METADATA_MAX_ENTRIES,
+        prefetcher: Prefetcher | None = None,
+        readahead: str = "off",
+        readahead_max: int = DEFAULT_READAHEAD_MAX,
     ):
         if block_size <= 0:
             raise ValueError("block_size must be positive")
@@ -97,6 +115,22 @@ class Core:
         self.block_size = block_size
         self.metadata_ttl = metadata_ttl
         self.negative_ttl = negative_ttl
+        if readahead not in READAHEAD_MODES:
+            raise ValueError(f"readahead must be one of {READAHEAD_MODES}")
+        self.prefetcher = prefetcher
+        self.readahead = readahead if prefetcher is not None else "off"
+        max_blocks = max(1, readahead_max // block_size)
+        self._streams = StreamTable(lambda: SequentialReadahead(block_size, maximum=max_blocks))
+        self._streams_lock = threading.Lock()
+        # Blocks fetched ahead and not yet read by anyone: the prefetch accuracy counters.
+        self._ahead: set[bytes] = set()
+        self._ahead_lock = threading.Lock()
+        cache.ram.on_evict = self._on_ram_evict
+        stats.gauge("prefetch.unused", lambda: len(self._ahead))
+        self.dir_readahead: DirReadahead | None = None
+        if self.readahead == "dir" and prefetcher is not None:
+            self.dir_readahead = DirReadahead(self, prefetcher, max_file_blocks=max_blocks)
+            prefetcher.add_feeder(DIR, self.dir_readahead)
         self._attrs = _TTLCache(metadata_entries, clock)
         self._dirs = _TTLCache(max(1, metadata_entries // 10), clock)
         # Called with a path whose cached identity turned out wrong. The default forgets the
@@ -225,6 +259,8 @@ class Core:
         blocks = block_range(offset, size, fid.size, self.block_size)
         if not blocks:
             return b""
+        if self.readahead != "off":
+            self._read_ahead(fid, offset, size)
         end = min(offset + size, fid.size)
         parts = []
         served: dict[str, int] = {}
@@ -246,6 +282,8 @@ class Core:
 
     def _block(self, fid: FileId, index: int) -> tuple[bytes, str]:
         key = block_key(self.namespace, fid, index, self.block_size)
+        if self._ahead:
+            self._note_used(key)
         data = self.cache.get_ram(key)
         if data is not None:
             return data, "ram"
@@ -295,6 +333,109 @@ class Core:
         self.cache.put(key, data)
         return data, "source"
 
+    # -- read-ahead ------------------------------------------------------------------------
+
+    def _read_ahead(self, fid: FileId, offset: int, size: int) -> None:
+        """Called on every read: queue the blocks the sequential policy wants next, and
+        (in dir mode) tell the directory read-ahead that this file's directory is in use."""
+        assert self.prefetcher is not None
+        if fid.size > self.block_size:
+            with self._streams_lock:
+                ahead = self._streams.get(fid).on_read(offset, size, fid.size)
+            for index in ahead:
+                self.prefetcher.submit((fid, index), functools.partial(self.prefetch_block, fid, index), READAHEAD)
+        if offset == 0 and self.dir_readahead is not None:
+            self.dir_readahead.touch(fid.path)
+
+    def prefetch_block(self, fid: FileId, index: int) -> str:
+        """Fetch one block ahead of need, into whatever tier has free room.
+
+        Returns "cached" (nothing to do), "inflight" (someone is fetching it), "no_room"
+        (every tier is full: a guess never evicts), or "fetched".
+        """
+        key = block_key(self.namespace, fid, index, self.block_size)
+        if self.cache.contains(key):
+            return "cached"
+        _, length = block_extent(index, fid.size, self.block_size)
+        if not self.cache.has_room(length):
+            self.stats.incr("prefetch.no_room")
+            return "no_room"
+        with self._inflight_lock:
+            if key in self._inflight:
+                return "inflight"
+            pending: Future = Future()
+            self._inflight[key] = pending
+        try:
+            offset, length = block_extent(index, fid.size, self.block_size)
+            try:
+                data = self._source_call("read_range", self.source.read_range, fid, offset, length)
+            except SourceChanged:
+                self.stats.incr("source.changed")
+                self.on_source_changed(fid.path)
+                raise
+            self.stats.incr("source.bytes", len(data))
+            admitted = self.cache.put(key, data, evict=False)
+            pending.set_result((data, "source"))
+        except BaseException as exc:
+            pending.set_exception(exc)
+            raise
+        finally:
+            with self._inflight_lock:
+                del self._inflight[key]
+        if not admitted:
+            self.stats.incr("prefetch.no_room")
+            return "no_room"
+        with self._ahead_lock:
+            self._ahead.add(key)
+        self.stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": len(data)})
+        return "fetched"
+
+    def prefetch_file(self, path: str, max_blocks: int | None = None) -> tuple[str, int]:
+        """Fetch a file's blocks ahead of need; returns (worst outcome, bytes fetched)."""
+        try:
+            fid = self.file_id(path)
+        except OSError:
+            return "error", 0
+        blocks = -(-fid.size // self.block_size)
+        outcome, fetched = "cached", 0
+        for index in range(blocks if max_blocks is None else min(blocks, max_blocks)):
+            result = self.prefetch_block(fid, index)
+            if result == "no_room":
+                return "no_room", fetched
+            if result == "fetched":
+                outcome = "fetched"
+                fetched += block_extent(index, fid.size, self.block_size)[1]
+        return outcome, fetched
+
+    def start_warm(self, paths: list[str]) -> WarmJob:
+        """Begin warming `paths` (files or directories) in the background."""
+        from cachefs.warm import WarmJob
+
+        if self.prefetcher is None:
+            raise RuntimeError("warming needs the prefetch pool (--prefetch-workers > 0)")
+        for path in paths:
+            self.getattr(path)  # ENOENT now, not halfway
+        job = WarmJob(self, paths)
+        self.prefetcher.add_feeder(WARM, job)
+        return job
+
+    def finish_warm(self, job: WarmJob) -> None:
+        job.cancel()
+        if self.prefetcher is not None:
+            self.prefetcher.remove_feeder(job)
+
+    def _note_used(self, key: bytes) -> None:
+        with self._ahead_lock:
+            if key in self._ahead:
+                self._ahead.discard(key)
+                self.stats.incr("prefetch.used")
+
+    def _on_ram_evict(self, key: bytes) -> None:
+        if key in self._ahead and (self.cache.disk is None or not self.cache.disk.probably_has(key)):
+            with self._ahead_lock:
+                self._ahead.discard(key)
+            self.stats.incr("prefetch.wasted")
+
     def _source_call(self, op: str, fn: Callable, *args):  # type: ignore[type-arg]
         self.stats.incr(f"source.{op}")
         try:
@@ -308,5 +449,83 @@ class Core:
             raise
 
     def close(self) -> None:
+        if self.prefetcher is not None:
+            self.prefetcher.stop()
         self.cache.close()
 
+
+
+class DirReadahead:
+    """Read-ahead across files: the siblings of files the job reads, fetched in the
+    background in sorted order, one directory after another (the smallest path first,
+    which is the order a copied dataset lies on disk).
+
+    A prefetch feeder: the pool asks it for one task at a time. A directory is listed in
+    the worker that first needs it, never in the reader's FUSE thread.
+    """
+
+    def __init__(self, core: Core, prefetcher: Prefetcher, max_file_blocks: int, max_dirs: int = 100_000):
+        self._core = core
+        self._prefetcher = prefetcher
+        self._max_file_blocks = max_file_blocks
+        self._lock = threading.Lock()
+        self._pending: dict[str, set[str]] = {}       # dir -> names read before it was listed
+        self._active: dict[str, DirectoryCursor] = {}
+        self._seen: OrderedDict[str, None] = OrderedDict()  # dirs taken on (bounded)
+        self._max_dirs = max_dirs
+        self.full = False  # every tier is full: stop guessing until there is room again
+
+    def touch(self, path: str) -> None:
+        directory, _, name = path.rpartition("/")
+        directory = directory or "/"
+        with self._lock:
+            cursor = self._active.get(directory)
+            if cursor is not None:
+                cursor.skip(name)
+                return
+            if directory in self._pending:
+                self._pending[directory].add(name)
+                return
+            if directory in self._seen:
+                return
+            self._seen[directory] = None
+            if len(self._seen) > self._max_dirs:
+                self._seen.popitem(last=False)
+            self._pending[directory] = {name}
+        self._core.stats.incr("prefetch.dirs")
+        self._prefetcher.wake()
+
+    def __call__(self) -> tuple[object, Callable[[], object]] | None:
+        if self.full:
+            if not self._core.cache.has_room(self._core.block_size):
+                return None
+            self.full = False
+        while True:
+            with self._lock:
+                if self._active:
+                    directory = min(self._active)
+                    cursor = self._active[directory]
+                    name = cursor.next()
+                    if name is None:
+                        del self._active[directory]
+                        continue
+                    path = directory.rstrip("/") + "/" + name
+                    return path, functools.partial(self._fetch, path)
+                if not self._pending:
+                    return None
+                directory = min(self._pending)
+                read = self._pending.pop(directory)
+            try:
+                entries = self._core.readdir(directory)
+            except OSError:
+                continue
+            cursor = DirectoryCursor(directory, (e.name for e in entries if stat_mod.S_ISREG(e.type_mode)))
+            for name in read:
+                cursor.skip(name)
+            with self._lock:
+                self._active[directory] = cursor
+
+    def _fetch(self, path: str) -> None:
+        outcome, _ = self._core.prefetch_file(path, self._max_file_blocks)
+        if outcome == "no_room":
+            self.full = True

@@ -210,6 +210,10 @@ def validate(config: Config, clean_stale: bool = True) -> list[str]:
         raise CachefsError(f"block size {config.block_size} must be a multiple of 4 KiB between 4 KiB and 256 MiB")
     if config.metadata_ttl < 0 or config.negative_ttl < 0:
         raise CachefsError("metadata TTLs must not be negative")
+    if not 0 <= config.prefetch_workers <= 1024:
+        raise CachefsError(f"--prefetch-workers {config.prefetch_workers} must be between 0 and 1024")
+    if config.warm and config.prefetch_workers == 0:
+        raise CachefsError("--warm needs --prefetch-workers of at least 1")
     resolve_sizes(config)
     assert config.ram_size is not None and config.disk_size is not None
     total = psutil.virtual_memory().total
@@ -282,6 +286,7 @@ def default_log_file(config: Config) -> str:
 
 def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this module cheaply)
     from cachefs.core import Core, source_namespace
+    from cachefs.prefetch import Prefetcher
     from cachefs.source import LocalSource
     from cachefs.stats import Stats
     from cachefs.tiers.disk import DiskTier
@@ -291,30 +296,72 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
     stats = Stats()
     stats.set_info(version=__version__, source=config.source, mountpoint=config.mountpoint,
                    cache_dir=config.cache_dir, block_size=config.block_size,
-                   metadata_ttl=config.metadata_ttl)
+                   metadata_ttl=config.metadata_ttl, readahead=config.readahead,
+                   prefetch_workers=config.prefetch_workers)
     source = LocalSource(config.source)
     assert config.ram_size is not None and config.disk_size is not None
     ram = MemoryTier(config.ram_size, stats)
     disk = DiskTier(os.path.join(config.cache_dir, "blocks"), config.disk_size, stats) if config.disk_size else None
     cache = MultiLevelCache(ram, disk, stats)
-    return Core(source, cache, stats, namespace=source_namespace(config.source),
+    prefetcher = Prefetcher(config.prefetch_workers, stats) if config.prefetch_workers > 0 else None
+    core = Core(source, cache, stats, namespace=source_namespace(config.source),
                 block_size=config.block_size, metadata_ttl=config.metadata_ttl,
-                negative_ttl=config.negative_ttl)
+                negative_ttl=config.negative_ttl, prefetcher=prefetcher, readahead=config.readahead)
+    if prefetcher is not None:
+        prefetcher.start()
+    return core
+
+
+def control_handlers(core) -> dict:  # type: ignore[no-untyped-def]
+    """What the control socket answers (see cachefs/control.py)."""
+    from cachefs.control import follow
+
+    def stats(request: dict, send) -> dict:  # type: ignore[no-untyped-def]
+        return core.stats.snapshot()
+
+    def warm(request: dict, send) -> dict:  # type: ignore[no-untyped-def]
+        paths = [str(p) for p in request["paths"]]
+        job = core.start_warm(paths)
+        try:
+            follow(job.progress, lambda: job.done, send, float(request.get("interval", 0.5)))
+            result = job.progress()
+        finally:
+            core.finish_warm(job)  # a client that went away (Ctrl-C) stops its warm
+        return result
+
+    return {"stats": stats, "warm": warm, "ping": lambda request, send: {"pong": True}}
+
+
+def _warm_at_mount(core) -> None:  # type: ignore[no-untyped-def]
+    job = core.start_warm(["/"])
+    while not job.done:
+        time.sleep(0.5)
+    p = job.progress()
+    core.finish_warm(job)
+    log.warning("--warm finished (%s): %d files loaded (%s), %d already cached, %d did not fit, %d failed, %.0fs",
+                p["state"], p["files_loaded"], format_size(p["bytes_loaded"]), p["files_cached"],
+                p["files_total"] - p["files_done"] + p["files_no_room"], p["files_failed"], p["elapsed_s"])
 
 
 def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     """Build the stack and serve the mount until it is unmounted (blocks)."""
+    from cachefs.control import ControlServer, address_for
     from cachefs.fuse_ops import CachefsOperations, run_fuse
 
     os.umask(0o077)  # every file the daemon creates (cache blocks, logs) is private
     prepare_cache_dir(config)
     core = build_core(config)
+    control = ControlServer(address_for(config.mountpoint), control_handlers(core))
+    control.start()
     info = {"version": __version__, "source": config.source, "mountpoint": config.mountpoint,
-            "cache_dir": config.cache_dir, "log_file": config.log_file}
+            "cache_dir": config.cache_dir, "log_file": config.log_file,
+            "control": control.address.replace("\0", "@", 1)}
 
     def ready() -> None:
         # Not inline: stat()ing our own mount point from inside FUSE init would wait on init.
         threading.Thread(target=tune_readahead, args=(config.mountpoint,), daemon=True).start()
+        if config.warm:
+            threading.Thread(target=_warm_at_mount, args=(core,), name="cachefs-warm", daemon=True).start()
         if on_ready is not None:
             on_ready()
 
@@ -322,6 +369,7 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     try:
         run_fuse(ops, config.mountpoint, config)
     finally:
+        control.close()
         core.close()
 
 
@@ -472,6 +520,27 @@ def read_control(mountpoint: str, name: str) -> dict:
             raise CachefsError(f"{mp} is a stale cachefs mount (its daemon died); run: cachefs umount {mp}") from None
         raise CachefsError(f"cannot read stats of {mp}: {exc.strerror}") from None
     return json.loads(raw)
+
+
+def control_address(mountpoint: str) -> str:
+    info = read_control(mountpoint, "user.cachefs.info")
+    address = info.get("control")
+    if not address:
+        raise CachefsError(f"the daemon of {mountpoint} has no control socket (an older cachefs?)")
+    return "\0" + address[1:] if address.startswith("@") else address
+
+
+def mount_of(path: str) -> tuple[str, str]:
+    """(mount point, path inside the mount as '/a/b') of a path on a cachefs mount."""
+    real = os.path.realpath(os.path.abspath(path))
+    best = None
+    for entry in cachefs_mounts():
+        if _inside(real, entry.mountpoint) and (best is None or len(entry.mountpoint) > len(best)):
+            best = entry.mountpoint
+    if best is None:
+        raise CachefsError(f"{path} is not on a cachefs mount")
+    rel = "/" + os.path.relpath(real, best) if real != best else "/"
+    return best, "/" if rel == "/." else rel
 
 
 def unmount(mountpoint: str, timeout: float = 30.0) -> str:

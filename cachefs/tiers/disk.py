@@ -70,12 +70,14 @@ class DiskTier:
         self._queued_bytes = 0
         self._queue_limit = queue_bytes
         self._qlock = threading.Lock()
+        self._qroom = threading.Condition(self._qlock)
         # Which keys are on disk, as 64-bit hashes: a miss (every block of a cold epoch) is
         # then a set lookup instead of a SQLite query under the GIL. Loaded in the
         # background; until then every lookup asks diskcache. A stale "present" (an entry
         # culled since) just costs that query; entries written by another daemon sharing
         # the cache dir are not seen by this one until it restarts (a refetch, never wrong bytes).
         self._present: set[int] = set()
+        self._approx_used = 0  # volume after the last write: has_room() without a query
         self._index_ready = threading.Event()
         threading.Thread(target=self._load_index, name="cachefs-disk-index", daemon=True).start()
         self._writer = threading.Thread(target=self._write_loop, name="cachefs-disk-writer", daemon=True)
@@ -130,30 +132,48 @@ class DiskTier:
             self.discard(key)
             return None
 
-    def put(self, key: bytes, data: bytes) -> bool:
-        """Queue `data` for writing; False if the queue is full (the write is dropped)."""
+    def put(self, key: bytes, data: bytes, evict: bool = True) -> bool:
+        """Queue `data` for writing; False if the queue is full (the write is dropped).
+        With evict=False the block is written only if it fits without evicting anything."""
         size = len(data)
         with self._qlock:
+            if not evict:
+                # read-ahead and warming: wait for the writer rather than drop (a demand
+                # miss never waits: it drops, and the block is still in RAM)
+                self._qroom.wait_for(lambda: self._queued_bytes + size <= self._queue_limit, 30)
             if self._queued_bytes + size > self._queue_limit:
                 self._stats.incr("disk.dropped_writes")
                 return False
+            if not evict and self._approx_used + self._queued_bytes + size + HEADER_SIZE > self._capacity:
+                return False
             self._queued_bytes += size
-        self._queue.put((key, data))
+        self._queue.put((key, data, evict))
         return True
 
-    def put_now(self, key: bytes, data: bytes) -> bool:
+    def has_room(self, size: int) -> bool:
+        """Room for `size` more bytes without evicting (an estimate, refreshed on each write)."""
+        with self._qlock:
+            return self._approx_used + self._queued_bytes + size + HEADER_SIZE <= self._capacity
+
+    def put_now(self, key: bytes, data: bytes, evict: bool = True) -> bool:
         """Write synchronously (used by the writer thread and by tests)."""
         blob = encode_block(key, data)
         if len(blob) > self._capacity:
             return False
         try:
             if self._cache.volume() + len(blob) > self._capacity:
+                if not evict:
+                    self._stats.incr("disk.no_room")
+                    return False
                 self._make_room(len(blob))
             self._cache.set(key, blob, retry=True)
             self._present.add(xxhash.xxh3_64_intdigest(key))
             # The write itself may have grown the database by a page; trim back under budget.
-            if self._cache.volume() > self._capacity:
+            volume = self._cache.volume()
+            if volume > self._capacity:
                 self._make_room(0)
+                volume = self._cache.volume()
+            self._approx_used = volume
         except Exception as exc:
             self._stats.incr("disk.errors")
             log.warning("cache disk write failed (%s); continuing without caching this block", exc)
@@ -179,10 +199,18 @@ class DiskTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._cache
 
+    def probably_has(self, key: bytes) -> bool:
+        """From the in-memory index, no I/O: True may be stale (culled since), False is
+        exact once the index is loaded; before that, ask the database."""
+        if self._index_ready.is_set():
+            return xxhash.xxh3_64_intdigest(key) in self._present
+        return key in self
+
     def _write_loop(self) -> None:
         try:  # a remount with a smaller --disk-size: back under budget before anything else
             if self._cache.volume() > self._capacity:
                 self._make_room(0)
+            self._approx_used = self._cache.volume()
         except Exception as exc:
             log.warning("could not trim the NVMe tier to its budget (%s)", exc)
         while True:
@@ -190,10 +218,11 @@ class DiskTier:
             try:
                 if item is _STOP:
                     return
-                key, data = item
-                self.put_now(key, data)
+                key, data, evict = item
+                self.put_now(key, data, evict)
                 with self._qlock:
                     self._queued_bytes -= len(data)
+                    self._qroom.notify_all()
             finally:
                 self._queue.task_done()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 
 from cachefs.stats import Stats
 
@@ -22,6 +23,7 @@ class MemoryTier:
         self._used = 0
         self._lock = threading.Lock()
         self._stats = stats or Stats()
+        self.on_evict: Callable[[bytes], None] | None = None  # told of every evicted key
         self._stats.gauge("ram.used_bytes", lambda: self._used)
         self._stats.gauge("ram.capacity_bytes", lambda: self._capacity)
         self._stats.gauge("ram.entries", lambda: len(self._entries))
@@ -47,24 +49,37 @@ class MemoryTier:
                 self._entries.move_to_end(key)
         return data
 
-    def put(self, key: bytes, data: bytes) -> bool:
+    def put(self, key: bytes, data: bytes, evict: bool = True) -> bool:
+        """Store a block; with evict=False only if it fits without evicting anything
+        (read-ahead never pushes out data for a guess)."""
         size = len(data)
         if size > self._capacity:
             return False
-        evicted = 0
+        victims: list[bytes] = []
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._used -= len(old)
+            if not evict and self._used + size > self._capacity:
+                if old is not None:  # put back what was there
+                    self._entries[key] = old
+                    self._used += len(old)
+                return False
             while self._used + size > self._capacity:
-                _, victim = self._entries.popitem(last=False)
-                self._used -= len(victim)
-                evicted += 1
+                victim, vdata = self._entries.popitem(last=False)
+                self._used -= len(vdata)
+                victims.append(victim)
             self._entries[key] = data
             self._used += size
-        if evicted:
-            self._stats.incr("ram.evictions", evicted)
+        if victims:
+            self._stats.incr("ram.evictions", len(victims))
+            if self.on_evict is not None:
+                for victim in victims:
+                    self.on_evict(victim)
         return True
+
+    def has_room(self, size: int) -> bool:
+        return self._used + size <= self._capacity
 
     def discard(self, key: bytes) -> None:
         with self._lock:

@@ -43,10 +43,19 @@ class MultiLevelCache:
             self._stats.incr("ram.promotions")
         return data
 
-    def put(self, key: bytes, data: bytes) -> None:
-        self.ram.put(key, data)
-        if self.disk is not None:
-            self.disk.put(key, data)
+    def put(self, key: bytes, data: bytes, evict: bool = True) -> bool:
+        """Store a block in RAM and (asynchronously) on NVMe. With evict=False (read-ahead,
+        warming) each tier takes it only if it fits without evicting; returns whether any did."""
+        in_ram = self.ram.put(key, data, evict)
+        on_disk = self.disk.put(key, data, evict) if self.disk is not None else False
+        return in_ram or on_disk
+
+    def has_room(self, size: int) -> bool:
+        return self.ram.has_room(size) or (self.disk is not None and self.disk.has_room(size))
+
+    def contains(self, key: bytes) -> bool:
+        """Cached in some tier, judged without I/O (see DiskTier.probably_has)."""
+        return key in self.ram or (self.disk is not None and self.disk.probably_has(key))
 
     def discard(self, key: bytes) -> None:
         self.ram.discard(key)
