@@ -44,11 +44,13 @@ def mount_cachefs(source: str | os.PathLike, mountpoint: str | os.PathLike, cach
 
 
 def mount_slowfs(source: str | os.PathLike, mountpoint: str | os.PathLike, latency: str = "2ms",
-                 bandwidth: str = "0", attr_timeout: str = "1", log: str | None = None) -> subprocess.Popen:
+                 bandwidth: str = "0", attr_timeout: str = "1", log: str | None = None,
+                 seek: str = "0") -> subprocess.Popen:
     os.makedirs(mountpoint, exist_ok=True)
     out = open(log, "w") if log else subprocess.DEVNULL
     proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", "slowfs.py"), str(source), str(mountpoint),
-                             "--latency", latency, "--bandwidth", bandwidth, "--attr-timeout", attr_timeout],
+                             "--latency", latency, "--bandwidth", bandwidth, "--attr-timeout", attr_timeout,
+                             "--seek", seek],
                             stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while not is_mounted(mountpoint):

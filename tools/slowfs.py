@@ -3,12 +3,18 @@
 
 Every request that reaches it (lookup/getattr, readdir, open, read) waits `--latency`
 before it is answered, as a network round trip would; many requests may be in flight at
-once, as with NFS. Reads are up to 1 MiB with 1 MiB kernel read-ahead (as root), like an
-NFS client mounted with rsize=1M. Data is delivered no faster than `--bandwidth` in total, through one
-shared link. The kernel is told not to keep file pages across opens and to trust
-attributes only briefly, so a file read twice costs twice (a store much larger than RAM).
+once, as with NFS. Like an NFS client mounted with rsize=1M: a large read() is sent as
+1 MiB requests, while the kernel's read-ahead stays at its 128 KiB default, so `cat`
+(128 KiB reads) waits for one round trip after another.
 
-    python tools/slowfs.py SRC MNT --latency 2ms --bandwidth 200MB [-f]
+Data is delivered no faster than `--bandwidth` in total, through one shared link. With
+--seek it models a hard disk instead (--hdd is --seek 8ms): one head, files laid out in
+sorted path order, a seek for every non-sequential transfer (see Link). The kernel is
+told not to keep file pages across opens and to trust attributes only briefly, so a
+file read twice costs twice (a store much larger than RAM).
+
+    python tools/slowfs.py SRC MNT --latency 2ms --bandwidth 200MB
+    python tools/slowfs.py SRC MNT --latency 0.2ms --bandwidth 150MB --hdd
     getfattr -n user.slowfs.stats MNT      # request and byte counters as JSON
 
 Used by the tests, the demo and the benchmarks in tools/.
@@ -30,23 +36,69 @@ import mfusepy as fuse
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cachefs.config import MAX_READ, parse_duration, parse_size
 from cachefs.errors import CachefsError
-from cachefs.mount import tune_readahead
 
 
 class Link:
-    """Latency per request plus one shared bandwidth cap (a token bucket of 0 depth)."""
+    """Latency per request plus one shared bandwidth cap (a token bucket of 0 depth).
 
-    def __init__(self, latency: float, bandwidth: float, sleep=time.sleep, clock=time.monotonic):
+    With `seek` > 0 it is a hard disk instead: one head, so transfers happen one at a time,
+    and a transfer that does not continue near where the last one ended pays `seek` first.
+    Files lie on the disk back to back in sorted path order (how `cp -r` or rsync of a
+    dataset writes them), so reading a directory's files in sorted order is sequential and
+    reading them shuffled is one seek per file.
+    """
+
+    SEQUENTIAL_GAP = 1 << 20  # closer than this to the head: the drive's own cache covers it
+
+    def __init__(self, latency: float, bandwidth: float, seek: float = 0.0, sleep=time.sleep,
+                 clock=time.monotonic):
         self.latency = latency
         self.bandwidth = bandwidth  # bytes/s; 0 = unlimited
+        self.seek = seek
         self._sleep = sleep
         self._clock = clock
         self._lock = threading.Lock()
+        self._head_lock = threading.Lock()
         self._free_at = 0.0
+        self._head = 0
+        self.seeks = 0
+        self.layout: dict[str, int] = {}
+        self._layout_end = 0
 
-    def request(self, nbytes: int = 0) -> None:
+    def lay_out(self, root: str) -> None:
+        """Give every file a position on the virtual disk, in sorted path order."""
+        pos = 0
+        for dirpath, dirnames, filenames in os.walk(root):
+            dirnames.sort()
+            for name in sorted(filenames):
+                full = os.path.join(dirpath, name)
+                self.layout["/" + os.path.relpath(full, root)] = pos
+                try:
+                    pos += os.lstat(full).st_size
+                except OSError:
+                    pass
+        self._layout_end = pos
+
+    def position(self, path: str, size_hint: int) -> int:
+        with self._lock:
+            if path not in self.layout:  # created after mount: appended at the end
+                self.layout[path] = self._layout_end
+                self._layout_end += size_hint
+            return self.layout[path]
+
+    def request(self, nbytes: int = 0, path: str | None = None, offset: int = 0) -> None:
         if self.latency:
             self._sleep(self.latency)
+        if self.seek and path is not None:
+            pos = self.position(path, nbytes) + offset
+            with self._head_lock:  # one head: transfers are serialized
+                if abs(pos - self._head) > self.SEQUENTIAL_GAP:
+                    self.seeks += 1
+                    self._sleep(self.seek)
+                if self.bandwidth and nbytes:
+                    self._sleep(nbytes / self.bandwidth)
+                self._head = pos + nbytes
+            return
         if self.bandwidth and nbytes:
             with self._lock:
                 start = max(self._clock(), self._free_at)
@@ -80,8 +132,6 @@ class SlowFS(fuse.Operations):
     def init_with_config(self, conn, config):
         if conn is not None:
             conn.max_read = MAX_READ
-        # like an NFS client with rsize=1M: 1 MiB requests and read-ahead
-        threading.Thread(target=tune_readahead, args=(self.mountpoint, MAX_READ), daemon=True).start()
         if config is not None:
             config.entry_timeout = self.attr_timeout
             config.attr_timeout = self.attr_timeout
@@ -103,7 +153,9 @@ class SlowFS(fuse.Operations):
         self._count("readdir")
         self.link.request()
         try:
-            return [".", ".."] + os.listdir(self._full(path))
+            # with each entry's type, as NFS READDIRPLUS gives it: no lookup per entry
+            with os.scandir(self._full(path)) as it:
+                return [".", ".."] + [(e.name, e.stat(follow_symlinks=False).st_mode, 0) for e in it]
         except OSError as exc:
             raise fuse.FuseOSError(exc.errno) from None
 
@@ -125,7 +177,7 @@ class SlowFS(fuse.Operations):
     def read(self, path, size, offset, fh):
         data = os.pread(fh, size, offset)
         self._count("read", len(data))
-        self.link.request(len(data))
+        self.link.request(len(data), path, offset)
         return data
 
     def release(self, path, fh):
@@ -140,7 +192,7 @@ class SlowFS(fuse.Operations):
     def getxattr(self, path, name, *args):
         if path == "/" and name == "user.slowfs.stats":
             with self._lock:
-                return json.dumps(dict(self.counts)).encode()
+                return json.dumps(dict(self.counts, seeks=self.link.seeks)).encode()
         if path == "/" and name == "user.slowfs.reset":
             with self._lock:
                 self.counts.clear()
@@ -162,11 +214,14 @@ def main(argv=None) -> int:
     p.add_argument("mountpoint")
     p.add_argument("--latency", default="2ms", help="per-request latency (default: %(default)s)")
     p.add_argument("--bandwidth", default="0", help="total bandwidth cap per second, e.g. 200MB; 0 = none")
+    p.add_argument("--seek", default="0", help="hard-disk model: seek time per non-sequential transfer")
+    p.add_argument("--hdd", action="store_true", help="hard-disk model with an 8 ms seek (same as --seek 8ms)")
     p.add_argument("--attr-timeout", default="1", help="kernel attribute cache, seconds (default: %(default)s)")
     p.add_argument("-f", "--foreground", action="store_true", help="(always foreground; kept for symmetry)")
     args = p.parse_args(argv)
     try:
-        link = Link(parse_duration(args.latency, "--latency"), parse_size(args.bandwidth, "--bandwidth"))
+        seek = parse_duration("8ms" if args.hdd and args.seek == "0" else args.seek, "--seek")
+        link = Link(parse_duration(args.latency, "--latency"), parse_size(args.bandwidth, "--bandwidth"), seek)
         attr_timeout = parse_duration(args.attr_timeout, "--attr-timeout")
     except CachefsError as exc:
         print(f"slowfs: error: {exc}", file=sys.stderr)
@@ -174,6 +229,8 @@ def main(argv=None) -> int:
     if not os.path.isdir(args.source):
         print(f"slowfs: error: {args.source} is not a directory", file=sys.stderr)
         return 2
+    if link.seek:
+        link.lay_out(os.path.realpath(args.source))
     fs = SlowFS(args.source, args.mountpoint, link, attr_timeout)
     fuse.FUSE(fs, args.mountpoint, foreground=True, nothreads=False, ro=True,
               fsname=f"slowfs:{os.path.basename(os.path.realpath(args.source))}", subtype="slowfs",

@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""bench: cachefs against the slow store and local disk, side by side in one run.
+
+    python tools/bench.py epoch [--latency 2ms] [--hdd] [--workers 8] [--epochs 3] [--repeats 3]
+    python tools/bench.py seq   [--size 1GiB] [--latency 2ms] [--bandwidth 300MB] [--repeats 3]
+
+epoch: an ImageFolder-style dataset (tools/mkdataset.py) behind tools/slowfs.py, read the
+way torchvision + a DataLoader with N workers do (tools/epoch.py: seeded shuffle per epoch,
+batches spread over worker processes), for epochs 1..E, by each system:
+  direct   the slow store itself
+  cachefs  cachefs over the slow store, a fresh cache per repeat (one row per --readahead
+           mode and --prefetch-workers value given, so policies compare in one run)
+  local    the same files on local disk, page cache dropped first (when root)
+It prints files/s, MB/s, per-file p50/p99 and the ratio to direct and to local (medians
+over repeats), the daemon's peak RSS and cache-dir size (psutil), and writes JSON.
+
+seq: one large file read cold from start to end in 128 KiB reads (what `cat` does), direct
+and through cachefs; MB/s, share of the bandwidth cap, and the source requests it took.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cachefs.config import format_size, parse_size
+from tools.epoch import list_imagefolder, run_epochs
+from tools.mkdataset import build
+from tools.mounts import cachefs, cachefs_stats, slowfs
+from tools.slowfs import read_stats, reset_stats
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        return True
+    except OSError:
+        return False
+
+
+class Sampler:
+    """Peak RSS of a process and peak size of a directory, sampled 5 times a second."""
+
+    def __init__(self, pid: int | None, directory: str | None):
+        self.pid, self.directory = pid, directory
+        self.rss = 0
+        self.disk = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        proc = psutil.Process(self.pid) if self.pid else None
+        while not self._stop.is_set():
+            try:
+                if proc is not None:
+                    self.rss = max(self.rss, proc.memory_info().rss)
+                if self.directory:
+                    self.disk = max(self.disk, du(self.directory))
+            except (psutil.Error, OSError):
+                pass
+            self._stop.wait(0.2)
+
+    def __enter__(self) -> Sampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def du(path: str) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def median_row(rows: list[dict]) -> dict:
+    out = dict(rows[0])
+    for key in ("seconds", "files_per_s", "mb_per_s", "p50_ms", "p99_ms"):
+        out[key] = statistics.median(r[key] for r in rows)
+    out["repeats"] = len(rows)
+    return out
+
+
+def cmd_epoch(args: argparse.Namespace) -> int:
+    work = args.workdir or tempfile.mkdtemp(prefix="cachefs-bench-")
+    data = os.path.join(work, "dataset")
+    if not os.path.isdir(data):
+        print(f"making {args.classes * args.per_class} JPEGs in {data}", file=sys.stderr)
+        build(data, args.classes, args.per_class, seed=0, mean_kb=110.0, progress=sys.stderr.isatty())
+    rel = [os.path.relpath(p, data) for p in list_imagefolder(data)]
+    seek = "8ms" if args.hdd else args.seek
+    systems = [("direct", None)] + [(f"cachefs {ra} w{w}", (ra, w)) for ra in args.readahead.split(",")
+                                    for w in map(int, str(args.prefetch_workers).split(","))] + [("local", None)]
+    results: dict[str, dict[int, list[dict]]] = {name: {} for name, _ in systems}
+    extra: dict[str, dict] = {}
+    try:
+        with slowfs(data, os.path.join(work, "slow"), latency=args.latency, bandwidth=args.bandwidth,
+                    seek=seek) as slow:
+            for rep in range(args.repeats):
+                for name, cfg in systems:
+                    print(f"repeat {rep + 1}/{args.repeats}: {name}", file=sys.stderr)
+                    if name == "local":
+                        drop_caches()
+                        rows = run_epochs(data, args.workers, args.epochs, seed=rep * 100,
+                                          paths=[os.path.join(data, r) for r in rel], quiet=True)
+                    elif name == "direct":
+                        reset_stats(slow)
+                        rows = run_epochs(slow, args.workers, args.epochs, seed=rep * 100,
+                                          paths=[os.path.join(slow, r) for r in rel], quiet=True)
+                    else:
+                        assert cfg is not None
+                        ra, workers = cfg
+                        mp, cache = os.path.join(work, f"mnt{rep}"), os.path.join(work, f"cache{rep}")
+                        shutil.rmtree(cache, ignore_errors=True)
+                        with cachefs(slow, mp, cache, ram_size=args.ram_size, disk_size=args.disk_size,
+                                     extra=["--readahead", ra, "--prefetch-workers", str(workers)]):
+                            pid = cachefs_stats(mp)["info"]["pid"]
+                            reset_stats(slow)
+                            with Sampler(pid, cache) as sampler:
+                                rows = []
+                                for epoch in range(1, args.epochs + 1):
+                                    before = read_stats(slow)
+                                    r = run_epochs(mp, args.workers, 1, seed=rep * 100 + epoch - 1,
+                                                   paths=[os.path.join(mp, x) for x in rel], quiet=True)[0]
+                                    after = read_stats(slow)
+                                    r["epoch"] = epoch
+                                    r["source_bytes"] = after.get("bytes", 0) - before.get("bytes", 0)
+                                    rows.append(r)
+                            s = cachefs_stats(mp)
+                            extra[name] = {"peak_rss": sampler.rss, "peak_cache_dir": sampler.disk,
+                                           "prefetch": s.get("prefetch", {}), "ram_hits": s["ram"].get("hits", 0)}
+                    for r in rows:
+                        results[name].setdefault(r["epoch"], []).append(r)
+    finally:
+        if not args.workdir and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    table = {name: {e: median_row(rows) for e, rows in epochs.items()} for name, epochs in results.items()}
+    store = f"{args.latency}/request" + (f", {args.bandwidth}/s" if args.bandwidth != "0" else "") + \
+        (f", HDD seek {seek}" if seek != "0" else "")
+    print(f"\nImageFolder epochs: {len(rel)} JPEGs, {args.workers} workers, store {store}, "
+          f"median of {args.repeats}")
+    print(f"{'system':<22}{'epoch':>6}{'files/s':>10}{'MB/s':>8}{'p50 ms':>9}{'p99 ms':>9}"
+          f"{'x direct':>10}{'x local':>9}")
+    for name, epochs in table.items():
+        for e, r in sorted(epochs.items()):
+            d, loc = table["direct"][e], table["local"][e]
+            print(f"{name:<22}{e:>6}{r['files_per_s']:>10.0f}{r['mb_per_s']:>8.1f}{r['p50_ms']:>9.2f}"
+                  f"{r['p99_ms']:>9.2f}{d['seconds'] / r['seconds']:>10.2f}{loc['seconds'] / r['seconds']:>9.2f}")
+    for name, x in extra.items():
+        p = x["prefetch"]
+        print(f"{name}: peak RSS {format_size(x['peak_rss'])}, cache dir {format_size(x['peak_cache_dir'])}; "
+              f"prefetched {p.get('blocks', 0)} blocks, used {p.get('used', 0)}, wasted {p.get('wasted', 0)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "epochs": table, "daemon": extra}, f, indent=2, default=str)
+    return 0
+
+
+def cat_read(path: str) -> float:
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(128 << 10):
+            pass
+    return time.perf_counter() - t0
+
+
+def cmd_seq(args: argparse.Namespace) -> int:
+    size = parse_size(args.size)
+    work = args.workdir or tempfile.mkdtemp(prefix="cachefs-bench-seq-")
+    src = os.path.join(work, "src")
+    os.makedirs(src, exist_ok=True)
+    big = os.path.join(src, "big.bin")
+    if not os.path.exists(big) or os.path.getsize(big) != size:
+        subprocess.run(["dd", "if=/dev/urandom", f"of={big}", "bs=1M", f"count={size >> 20}"],
+                       check=True, capture_output=True)
+    rows: dict[str, list[tuple[float, int]]] = {"direct": [], "cachefs": []}
+    try:
+        with slowfs(src, os.path.join(work, "slow"), latency=args.latency, bandwidth=args.bandwidth) as slow:
+            for rep in range(args.repeats):
+                reset_stats(slow)
+                rows["direct"].append((cat_read(os.path.join(slow, "big.bin")), read_stats(slow).get("read", 0)))
+                mp, cache = os.path.join(work, f"mnt{rep}"), os.path.join(work, f"cache{rep}")
+                with cachefs(slow, mp, cache, ram_size=args.ram_size, disk_size=args.disk_size,
+                             extra=["--readahead", args.readahead_mode]):
+                    reset_stats(slow)
+                    rows["cachefs"].append((cat_read(os.path.join(mp, "big.bin")), read_stats(slow).get("read", 0)))
+                shutil.rmtree(cache, ignore_errors=True)
+                print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
+    finally:
+        if not args.workdir and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    cap = parse_size(args.bandwidth)
+    base = statistics.median(t for t, _ in rows["direct"])
+    print(f"\ncold sequential read of {args.size} in 128 KiB reads (like cat), store {args.latency}/request"
+          f"{', ' + args.bandwidth + '/s cap' if cap else ''}, median of {args.repeats}")
+    print(f"{'system':<10}{'MB/s':>8}{'of cap':>8}{'x direct':>10}{'source reads':>14}")
+    summary = {}
+    for name, r in rows.items():
+        t = statistics.median(x for x, _ in r)
+        reqs = statistics.median(n for _, n in r)
+        summary[name] = {"mb_s": size / t / 1e6, "of_cap": size / t / cap if cap else None,
+                         "x_direct": base / t, "source_reads": reqs}
+        of_cap = f"{size / t / cap:>7.0%}" if cap else f"{'-':>7}"
+        print(f"{name:<10}{size / t / 1e6:>8.0f} {of_cap}{base / t:>10.2f}{reqs:>14.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "seq": summary}, f, indent=2)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="mode", required=True)
+    for name in ("epoch", "seq"):
+        s = sub.add_parser(name)
+        s.add_argument("--latency", default="2ms")
+        s.add_argument("--bandwidth", default="0" if name == "epoch" else "300MB")
+        s.add_argument("--repeats", type=int, default=3)
+        s.add_argument("--ram-size", default="1GiB")
+        s.add_argument("--disk-size", default="4GiB")
+        s.add_argument("--workdir", help="keep the dataset here between runs")
+        s.add_argument("--keep", action="store_true")
+        s.add_argument("--json", metavar="FILE")
+    e = sub.choices["epoch"]
+    e.add_argument("--workers", type=int, default=8)
+    e.add_argument("--epochs", type=int, default=3)
+    e.add_argument("--classes", type=int, default=10)
+    e.add_argument("--per-class", type=int, default=200)
+    e.add_argument("--hdd", action="store_true", help="slowfs's hard-disk model (8 ms seeks)")
+    e.add_argument("--seek", default="0")
+    e.add_argument("--readahead", default="dir", help="comma-separated modes to compare, e.g. off,dir")
+    e.add_argument("--prefetch-workers", default="16", help="comma-separated values to compare")
+    sq = sub.choices["seq"]
+    sq.add_argument("--size", default="1GiB")
+    sq.add_argument("--readahead-mode", default="dir")
+    args = p.parse_args(argv)
+    return cmd_epoch(args) if args.mode == "epoch" else cmd_seq(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
