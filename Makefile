@@ -8,12 +8,12 @@ STAMP  := $(VENV)/.installed
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@if ! command -v fusermount3 >/dev/null 2>&1; then \
+	@if ! command -v fusermount3 >/dev/null 2>&1 || [ ! -e /usr/include/fuse3/fuse.h ] || ! command -v cc >/dev/null 2>&1; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    echo "installing fuse3 (fusermount3)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 >/dev/null; \
+	    echo "installing fuse3, libfuse3-dev and a C compiler (for tools/slowfs)"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev gcc >/dev/null; \
 	  else \
-	    echo "fusermount3 is missing: run 'sudo apt-get install fuse3' (or your distribution's fuse3 package)"; \
+	    echo "missing: run 'sudo apt-get install fuse3 libfuse3-dev gcc' (or your distribution's packages)"; \
 	    exit 1; \
 	  fi; \
 	fi
@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) tools/slowfs.py --build-only
 	touch $(STAMP)
 
 demo: setup
@@ -34,7 +35,9 @@ test: lint
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) tools/blocksize.py
+	$(PY) tools/bench.py epoch
+	$(PY) tools/bench.py epoch --hdd --latency 0.2ms --bandwidth 150MB
+	$(PY) tools/bench.py seq
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

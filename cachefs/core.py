@@ -297,7 +297,10 @@ class Core:
         assert pending is not None
         if not owner:
             self.stats.incr("reads.inflight_waits")
-            return pending.result()
+            result = pending.result()
+            if self._ahead:
+                self._note_used(key)  # it was a read-ahead fetch this reader caught up with
+            return result
         try:
             result = self._fetch(key, fid, index)
             pending.set_result(result)
@@ -375,6 +378,9 @@ class Core:
                 raise
             self.stats.incr("source.bytes", len(data))
             admitted = self.cache.put(key, data, evict=False)
+            if admitted:  # before waking waiters, so a reader waiting on it counts as a use
+                with self._ahead_lock:
+                    self._ahead.add(key)
             pending.set_result((data, "source"))
         except BaseException as exc:
             pending.set_exception(exc)
@@ -385,8 +391,6 @@ class Core:
         if not admitted:
             self.stats.incr("prefetch.no_room")
             return "no_room"
-        with self._ahead_lock:
-            self._ahead.add(key)
         self.stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": len(data)})
         return "fetched"
 

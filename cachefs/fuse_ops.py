@@ -61,9 +61,11 @@ _QUIET_ERRNOS = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.ENOSYS}
 def _fuse_op(fn: Callable) -> Callable:  # type: ignore[type-arg]
     """Run one FUSE operation: any exception becomes an errno, never a dead mount."""
 
-    @functools.wraps(fn)
+    name = fn.__name__
+    count_key, time_key = f"fuse.{name}", f"fuse.{name}_us"
+
     def wrapper(self: CachefsOperations, path: str | None, *args: Any) -> Any:
-        self.core.stats.incr(f"fuse.{fn.__name__}")
+        start = time.perf_counter()
         try:
             return fn(self, path, *args)
         except FuseOSError:
@@ -75,8 +77,11 @@ def _fuse_op(fn: Callable) -> Callable:  # type: ignore[type-arg]
                 log.warning("%s %s: %s (errno %d %s)", fn.__name__, path, exc, code,
                             errno.errorcode.get(code, "?"), exc_info=log.isEnabledFor(logging.DEBUG))
             raise FuseOSError(code) from None
+        finally:
+            # time spent in the daemon per operation: where a slow request's time goes
+            self.core.stats.add_many({count_key: 1, time_key: int((time.perf_counter() - start) * 1e6)})
 
-    return wrapper
+    return functools.wraps(fn)(wrapper)
 
 
 def _read_only(self: CachefsOperations, path: str | None, *args: Any) -> Any:

@@ -86,27 +86,34 @@ class WarmJob:
                     path = self._roots_left.pop()
                 else:
                     return None
-            try:
-                attr = self._core.getattr(path)
-            except OSError:
-                self._count(files_failed=1, files_done=1)
-                continue
-            if attr.is_dir:
-                try:
-                    entries = self._core.readdir(path)
-                except OSError:
-                    continue
-                # one cursor over files and subdirectories, in sorted order: depth first
-                with self._lock:
-                    self._stack.append(DirectoryCursor(path, (e.name for e in entries
-                                                              if stat_mod.S_ISDIR(e.type_mode)
-                                                              or stat_mod.S_ISREG(e.type_mode))))
-                continue
-            if not attr.is_file:
-                continue
+                self._in_flight += 1  # until listed or warmed: the job is not done meanwhile
+            task = self._visit(path)
+            if task is not None:
+                return path, task
             with self._lock:
-                self._in_flight += 1
-            return path, functools.partial(self._warm_file, path, attr.size)
+                self._in_flight -= 1
+
+    def _visit(self, path: str) -> Callable[[], object] | None:
+        """A file's warm task; or None after pushing a directory (or skipping the path)."""
+        try:
+            attr = self._core.getattr(path)
+        except OSError:
+            self._count(files_failed=1, files_done=1)
+            return None
+        if attr.is_dir:
+            try:
+                entries = self._core.readdir(path)
+            except OSError:
+                return None
+            # one cursor over files and subdirectories, in sorted order: depth first
+            cursor = DirectoryCursor(path, (e.name for e in entries
+                                            if stat_mod.S_ISDIR(e.type_mode) or stat_mod.S_ISREG(e.type_mode)))
+            with self._lock:
+                self._stack.append(cursor)
+            return None
+        if not attr.is_file:
+            return None
+        return functools.partial(self._warm_file, path, attr.size)
 
     def _warm_file(self, path: str, size: int) -> None:
         try:

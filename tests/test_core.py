@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cachefs.blocks import FileId
+from cachefs.blocks import FileId, block_key
 from cachefs.memsource import MemorySource
 from tests.conftest import make_core
 
@@ -231,3 +231,131 @@ def test_change_hook_runs_before_metadata_is_refreshed(source, clock):
             core.read("/f", 0, 10)
         assert info.value.errno == errno.ESTALE  # never the new bytes under the old identity
     assert held == ["/f", "/f"]
+
+
+# -- read-ahead and warming through the core, with the executor driven by hand --------------
+
+from cachefs.prefetch import Prefetcher  # noqa: E402
+
+
+def make_ra_core(source, readahead="dir", ram=64 << 20, **kw):
+    p = Prefetcher(workers=0)
+    return make_core(source, prefetcher=p, readahead=readahead, ram=ram, **kw), p
+
+
+def test_sequential_reader_is_served_from_blocks_fetched_ahead(source):
+    data = blob(40 * BS)
+    source.add_file("/big", data)
+    core, p = make_ra_core(source, readahead="file")
+    demand_fetches = 0
+    for off in range(0, len(data), BS):
+        before = source.calls["read_range"]
+        assert core.read("/big", off, BS) == data[off:off + BS]
+        demand_fetches += source.calls["read_range"] - before
+        p.run_until_idle()                       # the pool catches up between reads
+    assert source.calls["read_range"] == 40      # every block fetched exactly once
+    assert demand_fetches <= 3                   # the reader waited for only the first few
+    assert core.stats.get("prefetch.used") >= 37
+
+
+def test_random_reader_triggers_no_read_ahead(source):
+    source.add_file("/big", blob(40 * BS))
+    core, p = make_ra_core(source, readahead="file")
+    for i in (17, 3, 29, 8, 35, 12):
+        core.read("/big", i * BS, 100)
+    assert len(p) == 0 and core.stats.get("prefetch.blocks") == 0
+
+
+def test_read_ahead_never_evicts_cached_data(source):
+    source.add_file("/a", blob(BS, 1))
+    source.add_file("/big", blob(20 * BS, 2))
+    core, p = make_ra_core(source, readahead="file", ram=4 * BS, block_size=BS)
+    core.read("/a", 0, BS)                        # the job's own data
+    for off in range(0, 3 * BS, BS):
+        core.read("/big", off, BS)
+    p.run_until_idle()
+    key = block_key(b"test", core.file_id("/a"), 0, BS)
+    assert key in core.cache.ram                  # still there: guesses only used free room
+    assert core.cache.ram.used_bytes <= 4 * BS
+    assert core.stats.get("prefetch.no_room") >= 1
+
+
+def test_demand_read_of_a_block_being_prefetched_waits_for_that_fetch():
+    release, started = threading.Event(), threading.Event()
+
+    class Gate(MemorySource):
+        def read_range(self, fid, offset, size):
+            started.set()
+            release.wait(5)
+            return super().read_range(fid, offset, size)
+
+    src = Gate()
+    data = blob(BS)
+    src.add_file("/f", data)
+    core, _ = make_ra_core(src)
+    fid = core.file_id("/f")
+    t = threading.Thread(target=core.prefetch_block, args=(fid, 0))
+    t.start()
+    started.wait(5)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(core.read("/f", 0, BS)))
+    reader.start()
+    while core.stats.get("reads.inflight_waits") < 1:
+        threading.Event().wait(0.001)
+    release.set()
+    t.join()
+    reader.join()
+    assert got == [data] and src.calls["read_range"] == 1
+
+
+def test_directory_read_ahead_fetches_siblings_in_sorted_order(source):
+    for name in ("e", "b", "d", "a", "c"):
+        source.add_file(f"/cls/{name}.jpg", blob(1000, ord(name)))
+    source.add_file("/other/x.jpg", b"x")
+    order = []
+    real = source.read_range
+
+    def spy(fid, off, size):
+        order.append(fid.path)
+        return real(fid, off, size)
+
+    source.read_range = spy
+    core, p = make_ra_core(source)
+    core.read("/cls/c.jpg", 0, 1000)              # the job reads one file of the directory
+    p.run_until_idle()
+    assert order == ["/cls/c.jpg", "/cls/a.jpg", "/cls/b.jpg", "/cls/d.jpg", "/cls/e.jpg"]
+    before = source.calls["read_range"]
+    for name in "abde":
+        core.read(f"/cls/{name}.jpg", 0, 1000)
+    assert source.calls["read_range"] == before   # all served from the cache
+    assert core.stats.get("prefetch.used") == 4
+
+
+def test_warm_loads_a_tree_in_order_and_resumes(source):
+    for c in range(3):
+        for i in range(4):
+            source.add_file(f"/ds/c{c}/{i}.jpg", blob(3000 + i, c * 10 + i))
+    core, p = make_ra_core(source, readahead="off")
+    job = core.start_warm(["/ds"])
+    p.run_until_idle()
+    assert job.done
+    prog = job.progress()
+    assert prog["state"] == "done" and prog["files_loaded"] == 12 and prog["files_total"] == 12
+    assert prog["bytes_loaded"] == sum(3000 + i for i in range(4)) * 3
+    core.finish_warm(job)
+    reads = source.calls["read_range"]
+    job2 = core.start_warm(["/ds"])               # again: everything is cached already
+    p.run_until_idle()
+    assert job2.progress()["files_cached"] == 12 and source.calls["read_range"] == reads
+
+
+def test_warm_stops_when_the_cache_is_full_and_says_so(source):
+    for i in range(10):
+        source.add_file(f"/ds/{i}.bin", blob(BS, i))
+    core, p = make_ra_core(source, readahead="off", ram=3 * BS, block_size=BS)
+    job = core.start_warm(["/ds"])
+    p.run_until_idle()
+    prog = job.progress()
+    assert prog["state"] == "no_room"
+    assert prog["files_loaded"] == 3 and prog["files_total"] == 10
+    assert core.cache.ram.used_bytes <= 3 * BS

@@ -1,0 +1,281 @@
+/*
+ * slowfs: a read-only passthrough FUSE filesystem that behaves like slow storage.
+ * Built and started by tools/slowfs.py, which documents the options; see there.
+ *
+ * Written in C so that emulating the store costs almost no CPU: on a 2-core machine a
+ * Python emulator spent as much CPU as the cache it was measuring.
+ *
+ *   network model: every request waits `latency` (many in flight at once); data moves
+ *                  through one link of `bandwidth` bytes/s shared by all requests.
+ *   disk model (seek > 0): one head. Transfers happen one at a time, and one that does
+ *                  not continue within 1 MiB of the last pays `seek` first. Files lie on
+ *                  the disk back to back in sorted path order.
+ *
+ * Counters: getfattr -n user.slowfs.stats MOUNTPOINT (JSON); user.slowfs.reset zeroes them.
+ */
+#define FUSE_USE_VERSION 31
+#define _GNU_SOURCE
+#include <fuse.h>
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <time.h>
+#include <unistd.h>
+
+static struct {
+    char root[PATH_MAX];
+    double latency, bandwidth, seek, attr_timeout;
+} opt;
+
+static atomic_long n_getattr, n_readdir, n_open, n_read, n_readlink, n_bytes, n_seeks;
+
+static pthread_mutex_t link_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_mutex_t head_lock = PTHREAD_MUTEX_INITIALIZER;
+static double link_free_at;
+static long long head_pos;
+
+struct placed { char *path; long long offset; };
+static struct placed *layout;
+static size_t layout_n, layout_cap;
+static long long layout_end;
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+static void sleep_for(double s) {
+    if (s <= 0) return;
+    struct timespec ts = {(time_t)s, (long)((s - (time_t)s) * 1e9)};
+    while (nanosleep(&ts, &ts) == -1 && errno == EINTR) {}
+}
+
+static void full_path(char *out, const char *path) {
+    snprintf(out, PATH_MAX, "%s%s", opt.root, path);
+}
+
+/* --- disk layout: files in sorted path order, back to back --- */
+
+static void place(const char *rel, long long size) {
+    if (layout_n == layout_cap) {
+        layout_cap = layout_cap ? layout_cap * 2 : 1024;
+        layout = realloc(layout, layout_cap * sizeof *layout);
+    }
+    layout[layout_n].path = strdup(rel);
+    layout[layout_n].offset = layout_end;
+    layout_n++;
+    layout_end += size;
+}
+
+static void lay_out(const char *rel) {
+    char full[PATH_MAX];
+    full_path(full, rel);
+    struct dirent **names;
+    int n = scandir(full, &names, NULL, alphasort);
+    if (n < 0) return;
+    for (int i = 0; i < n; i++) {
+        const char *name = names[i]->d_name;
+        if (strcmp(name, ".") && strcmp(name, "..")) {
+            char child[PATH_MAX], childfull[PATH_MAX];
+            snprintf(child, sizeof child, "%s/%s", strcmp(rel, "/") ? rel : "", name);
+            full_path(childfull, child);
+            struct stat st;
+            if (lstat(childfull, &st) == 0) {
+                if (S_ISDIR(st.st_mode)) lay_out(child);
+                else if (S_ISREG(st.st_mode)) place(child, st.st_size);
+            }
+        }
+        free(names[i]);
+    }
+    free(names);
+}
+
+static int cmp_placed(const void *a, const void *b) {
+    return strcmp(((const struct placed *)a)->path, ((const struct placed *)b)->path);
+}
+
+static long long position_of(const char *path, long long size_hint) {
+    struct placed key = {(char *)path, 0};
+    pthread_mutex_lock(&head_lock);  /* callers hold no other lock */
+    struct placed *hit = bsearch(&key, layout, layout_n, sizeof *layout, cmp_placed);
+    long long pos = hit ? hit->offset : layout_end;
+    if (!hit) layout_end += size_hint;  /* created after mount: appended at the end */
+    pthread_mutex_unlock(&head_lock);
+    return pos;
+}
+
+/* --- the link --- */
+
+static void request(long long nbytes, const char *path, long long offset) {
+    sleep_for(opt.latency);
+    if (opt.seek > 0 && path) {
+        long long pos = position_of(path, nbytes) + offset;
+        pthread_mutex_lock(&head_lock);  /* one head: transfers are serialized */
+        long long gap = pos - head_pos;
+        if (gap < 0) gap = -gap;
+        if (gap > (1 << 20)) { n_seeks++; sleep_for(opt.seek); }
+        if (opt.bandwidth > 0 && nbytes) sleep_for(nbytes / opt.bandwidth);
+        head_pos = pos + nbytes;
+        pthread_mutex_unlock(&head_lock);
+        return;
+    }
+    if (opt.bandwidth > 0 && nbytes) {
+        pthread_mutex_lock(&link_lock);
+        double t = now();
+        double start = link_free_at > t ? link_free_at : t;
+        link_free_at = start + nbytes / opt.bandwidth;
+        double done = link_free_at;
+        pthread_mutex_unlock(&link_lock);
+        sleep_for(done - now());
+    }
+}
+
+/* --- operations --- */
+
+static void *sfs_init(struct fuse_conn_info *conn, struct fuse_config *cfg) {
+    conn->max_read = 1 << 20;
+    cfg->entry_timeout = opt.attr_timeout;
+    cfg->attr_timeout = opt.attr_timeout;
+    cfg->negative_timeout = 0;
+    return NULL;
+}
+
+static int sfs_getattr(const char *path, struct stat *st, struct fuse_file_info *fi) {
+    (void)fi;
+    n_getattr++;
+    request(0, NULL, 0);
+    char full[PATH_MAX];
+    full_path(full, path);
+    return lstat(full, st) == -1 ? -errno : 0;
+}
+
+static int sfs_readlink(const char *path, char *buf, size_t size) {
+    n_readlink++;
+    request(0, NULL, 0);
+    char full[PATH_MAX];
+    full_path(full, path);
+    ssize_t n = readlink(full, buf, size - 1);
+    if (n == -1) return -errno;
+    buf[n] = 0;
+    return 0;
+}
+
+static int sfs_readdir(const char *path, void *buf, fuse_fill_dir_t filler, off_t off,
+                       struct fuse_file_info *fi, enum fuse_readdir_flags flags) {
+    (void)off; (void)fi; (void)flags;
+    n_readdir++;
+    request(0, NULL, 0);
+    char full[PATH_MAX];
+    full_path(full, path);
+    DIR *d = opendir(full);
+    if (!d) return -errno;
+    struct dirent *e;
+    while ((e = readdir(d))) {  /* with each entry's type, as NFS READDIRPLUS gives it */
+        struct stat st = {0};
+        st.st_ino = e->d_ino;
+        st.st_mode = DTTOIF(e->d_type);
+        if (filler(buf, e->d_name, &st, 0, 0)) break;
+    }
+    closedir(d);
+    return 0;
+}
+
+static int sfs_open(const char *path, struct fuse_file_info *fi) {
+    n_open++;
+    request(0, NULL, 0);
+    if ((fi->flags & O_ACCMODE) != O_RDONLY) return -EROFS;
+    char full[PATH_MAX];
+    full_path(full, path);
+    int fd = open(full, O_RDONLY);
+    if (fd == -1) return -errno;
+    fi->fh = fd;
+    return 0;  /* no keep_cache: each open rereads from the "store" */
+}
+
+static int sfs_read(const char *path, char *buf, size_t size, off_t off, struct fuse_file_info *fi) {
+    ssize_t n = pread(fi->fh, buf, size, off);
+    if (n == -1) return -errno;
+    n_read++;
+    n_bytes += n;
+    request(n, path, off);
+    return n;
+}
+
+static int sfs_release(const char *path, struct fuse_file_info *fi) {
+    (void)path;
+    close(fi->fh);
+    return 0;
+}
+
+static int sfs_statfs(const char *path, struct statvfs *st) {
+    (void)path;
+    return statvfs(opt.root, st) == -1 ? -errno : 0;
+}
+
+static int sfs_getxattr(const char *path, const char *name, char *value, size_t size) {
+    char out[512];
+    int len;
+    if (strcmp(path, "/") || strncmp(name, "user.slowfs.", 12)) return -ENODATA;
+    if (!strcmp(name, "user.slowfs.reset")) {
+        n_getattr = n_readdir = n_open = n_read = n_readlink = n_bytes = n_seeks = 0;
+        len = snprintf(out, sizeof out, "{}");
+    } else if (!strcmp(name, "user.slowfs.stats")) {
+        len = snprintf(out, sizeof out,
+                       "{\"getattr\": %ld, \"readdir\": %ld, \"open\": %ld, \"read\": %ld, "
+                       "\"readlink\": %ld, \"bytes\": %ld, \"seeks\": %ld}",
+                       (long)n_getattr, (long)n_readdir, (long)n_open, (long)n_read,
+                       (long)n_readlink, (long)n_bytes, (long)n_seeks);
+    } else {
+        return -ENODATA;
+    }
+    if (size == 0) return len;
+    if ((size_t)len > size) return -ERANGE;
+    memcpy(value, out, len);
+    return len;
+}
+
+static const struct fuse_operations ops = {
+    .init = sfs_init,
+    .getattr = sfs_getattr,
+    .readlink = sfs_readlink,
+    .readdir = sfs_readdir,
+    .open = sfs_open,
+    .read = sfs_read,
+    .release = sfs_release,
+    .statfs = sfs_statfs,
+    .getxattr = sfs_getxattr,
+};
+
+int main(int argc, char **argv) {
+    /* slowfs ROOT MOUNTPOINT LATENCY_S BANDWIDTH_BPS SEEK_S ATTR_TIMEOUT_S (validated by slowfs.py) */
+    if (argc != 7) {
+        fprintf(stderr, "usage: %s ROOT MOUNTPOINT LATENCY_S BANDWIDTH_BPS SEEK_S ATTR_TIMEOUT_S\n", argv[0]);
+        return 2;
+    }
+    if (!realpath(argv[1], opt.root)) { perror(argv[1]); return 2; }
+    if (!strcmp(opt.root, "/")) opt.root[0] = 0;
+    opt.latency = atof(argv[3]);
+    opt.bandwidth = atof(argv[4]);
+    opt.seek = atof(argv[5]);
+    opt.attr_timeout = atof(argv[6]);
+    if (opt.seek > 0) {
+        lay_out("/");
+        qsort(layout, layout_n, sizeof *layout, cmp_placed);
+    }
+    char options[PATH_MAX + 128];
+    const char *base = strrchr(opt.root, '/');
+    snprintf(options, sizeof options, "ro,fsname=slowfs:%s,subtype=slowfs,max_read=1048576,max_threads=128",
+             base && base[1] ? base + 1 : "root");
+    char *fargv[] = {argv[0], "-f", "-o", options, argv[2], NULL};
+    return fuse_main(5, fargv, &ops, NULL);
+}
