@@ -7,9 +7,10 @@
  *
  *   network model: every request waits `latency` (many in flight at once); data moves
  *                  through one link of `bandwidth` bytes/s shared by all requests.
- *   disk model (seek > 0): one head. Transfers happen one at a time, and one that does
- *                  not continue within 1 MiB of the last pays `seek` first. Files lie on
- *                  the disk back to back in sorted path order.
+ *   disk model (seek > 0): one head. Transfers happen one at a time, nearest waiting
+ *                  request first (within a deadline), and one that does not continue
+ *                  within 1 MiB of the last pays `seek` first. Files lie on the disk back
+ *                  to back in sorted path order.
  *
  * Counters: getfattr -n user.slowfs.stats MOUNTPOINT (JSON); user.slowfs.reset zeroes them.
  */
@@ -116,17 +117,58 @@ static long long position_of(const char *path, long long size_hint) {
 
 /* --- the link --- */
 
+/* The disk's queue: like a drive with command queueing under Linux's mq-deadline, the
+ * head serves the waiting request nearest to it, unless one has waited longer than
+ * DEADLINE, which then goes first. Without any reordering, a single sequential reader
+ * sharing the disk with random readers would pay two seeks for every random read. */
+#define DEADLINE 0.5  /* mq-deadline's default read_expire: 500 ms */
+struct waiter { long long pos; double since; pthread_cond_t cond; struct waiter *next; };
+static struct waiter *waiting;
+static int head_busy;
+
+static struct waiter *pick(void) {  /* head_lock held */
+    struct waiter *best = NULL, *oldest = NULL;
+    double t = now();
+    for (struct waiter *w = waiting; w; w = w->next) {
+        if (!oldest || w->since < oldest->since) oldest = w;
+        long long d = w->pos - head_pos, bd = best ? best->pos - head_pos : 0;
+        if (d < 0) d = -d;
+        if (bd < 0) bd = -bd;
+        if (!best || d < bd) best = w;
+    }
+    if (oldest && t - oldest->since > DEADLINE) return oldest;
+    return best;
+}
+
+static void disk_transfer(long long pos, long long nbytes) {
+    struct waiter me = {pos, now(), PTHREAD_COND_INITIALIZER, NULL};
+    pthread_mutex_lock(&head_lock);
+    me.next = waiting;
+    waiting = &me;
+    while (head_busy || pick() != &me) {
+        if (!head_busy) pthread_cond_signal(&pick()->cond);
+        pthread_cond_wait(&me.cond, &head_lock);
+    }
+    for (struct waiter **w = &waiting; *w; w = &(*w)->next)
+        if (*w == &me) { *w = me.next; break; }
+    head_busy = 1;
+    long long gap = pos - head_pos;
+    pthread_mutex_unlock(&head_lock);
+    if (gap < 0) gap = -gap;
+    if (gap > (1 << 20)) { n_seeks++; sleep_for(opt.seek); }
+    if (opt.bandwidth > 0 && nbytes) sleep_for(nbytes / opt.bandwidth);
+    pthread_mutex_lock(&head_lock);
+    head_pos = pos + nbytes;
+    head_busy = 0;
+    if (waiting) pthread_cond_signal(&pick()->cond);
+    pthread_mutex_unlock(&head_lock);
+    pthread_cond_destroy(&me.cond);
+}
+
 static void request(long long nbytes, const char *path, long long offset) {
     sleep_for(opt.latency);
     if (opt.seek > 0 && path) {
-        long long pos = position_of(path, nbytes) + offset;
-        pthread_mutex_lock(&head_lock);  /* one head: transfers are serialized */
-        long long gap = pos - head_pos;
-        if (gap < 0) gap = -gap;
-        if (gap > (1 << 20)) { n_seeks++; sleep_for(opt.seek); }
-        if (opt.bandwidth > 0 && nbytes) sleep_for(nbytes / opt.bandwidth);
-        head_pos = pos + nbytes;
-        pthread_mutex_unlock(&head_lock);
+        disk_transfer(position_of(path, nbytes) + offset, nbytes);
         return;
     }
     if (opt.bandwidth > 0 && nbytes) {

@@ -13,7 +13,9 @@ requests, while the kernel's read-ahead stays at its 128 KiB default, so `cat` (
 reads) waits for one round trip after another.
 
 Disk model (`--seek`, or `--hdd` for 8 ms): one head, so transfers happen one at a time,
-and one that does not continue within 1 MiB of the last pays the seek first. Files lie
+nearest waiting request first unless one has waited 500 ms (a drive's command queue
+under Linux's mq-deadline), and one that does not continue within 1 MiB of the last
+pays the seek first. Files lie
 on the disk back to back in sorted path order (how `cp -r` or rsync writes a dataset):
 reading a directory's files in sorted order is sequential, shuffled it is a seek a file.
 
