@@ -321,6 +321,12 @@ class Core:
         data = self.cache.get_disk(key)
         if data is not None:
             return data, "disk"
+        data = self._fetch_source(fid, index)
+        self.cache.put(key, data)
+        return data, "source"
+
+    def _fetch_source(self, fid: FileId, index: int) -> bytes:
+        """One whole block from the source, for a demand miss or a guess."""
         offset, length = block_extent(index, fid.size, self.block_size)
         try:
             data = self._source_call("read_range", self.source.read_range, fid, offset, length)
@@ -333,8 +339,7 @@ class Core:
                 self.on_source_changed(fid.path)  # gone or replaced: the cached stat is wrong
             raise
         self.stats.incr("source.bytes", len(data))
-        self.cache.put(key, data)
-        return data, "source"
+        return data
 
     # -- read-ahead ------------------------------------------------------------------------
 
@@ -369,14 +374,7 @@ class Core:
             pending: Future = Future()
             self._inflight[key] = pending
         try:
-            offset, length = block_extent(index, fid.size, self.block_size)
-            try:
-                data = self._source_call("read_range", self.source.read_range, fid, offset, length)
-            except SourceChanged:
-                self.stats.incr("source.changed")
-                self.on_source_changed(fid.path)
-                raise
-            self.stats.incr("source.bytes", len(data))
+            data = self._fetch_source(fid, index)
             admitted = self.cache.put(key, data, evict=False)
             if admitted:  # before waking waiters, so a reader waiting on it counts as a use
                 with self._ahead_lock:

@@ -24,7 +24,8 @@ def listing(root):
 @pytest.mark.parametrize("case", [
     "missing-source", "source-is-file", "missing-mountpoint", "mountpoint-not-empty", "mountpoint-is-file",
     "mountpoint-inside-source", "source-inside-mountpoint", "cache-inside-source", "cache-inside-mountpoint",
-    "cache-unwritable", "cache-is-file", "bad-block-size",
+    "cache-unwritable", "cache-is-file", "bad-block-size", "negative-prefetch-workers", "warm-without-workers",
+    "log-file-in-source", "log-file-dir-missing",
 ])
 def test_bad_mount_requests(case, tree, capsys):
     tmp, src, mp = tree
@@ -56,6 +57,14 @@ def test_bad_mount_requests(case, tree, capsys):
         args["cache"] = src / "a" / "f"
     elif case == "bad-block-size":
         args["extra"] = ["--block-size", "1000"]
+    elif case == "negative-prefetch-workers":
+        args["extra"] = ["--prefetch-workers=-3"]
+    elif case == "warm-without-workers":
+        args["extra"] = ["--warm", "--prefetch-workers", "0"]
+    elif case == "log-file-in-source":
+        args["extra"] = ["--log-file", str(src / "a" / "log")]
+    elif case == "log-file-dir-missing":
+        args["extra"] = ["--log-file", str(tmp / "nope" / "x.log")]
     before = listing(tmp)
     code = main(["mount", str(args["src"]), str(args["mp"]), "--cache-dir", str(args["cache"]),
                  "--ram-size", "64MiB", "--disk-size", "64MiB", *args["extra"]])
@@ -74,6 +83,8 @@ def test_bad_mount_requests(case, tree, capsys):
     (["mount", "s"], "required"),
     (["frobnicate"], "invalid choice"),
     (["mount", "s", "m", "--no-such-option"], "unrecognized arguments"),
+    (["mount", "s", "m", "--readahead", "always"], "invalid choice"),
+    (["mount", "s", "m", "--ram-size", "9" * 400 + "GiB"], "too large"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as info:
