@@ -16,6 +16,7 @@ from cachefs.config import (
     DEFAULT_PREFETCH_WORKERS,
     DEFAULT_READAHEAD,
     READAHEAD_MODES,
+    ROTATIONAL_PREFETCH_WORKERS,
     Config,
     default_cache_dir,
     format_size,
@@ -86,9 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="off; file: fetch ahead of sequential readers inside big files; dir: that, plus "
                          "the unread files of each directory the job reads, in sorted order, into free "
                          "cache space only (default: %(default)s)")
-    ra.add_argument("--prefetch-workers", type=int, default=DEFAULT_PREFETCH_WORKERS, metavar="N",
+    ra.add_argument("--prefetch-workers", type=int, metavar="N",
                     help="parallel source fetches for read-ahead and warming; demand misses do not "
-                         "wait for these (default: %(default)s)")
+                         f"wait for these (default: {DEFAULT_PREFETCH_WORKERS}, or "
+                         f"{ROTATIONAL_PREFETCH_WORKERS} when the source is a local spinning disk)")
     ra.add_argument("--warm", action="store_true",
                     help="load the whole source into the cache in the background, below the job's own reads")
     run = m.add_argument_group("running")

@@ -30,8 +30,10 @@ DEFAULT_READAHEAD = "dir"
 DEFAULT_READAHEAD_MAX = 32 * MiB
 
 # Source fetchers in the prefetch pool (read-ahead and warming; demand misses run in the
-# reader's own FUSE thread). See README, "Prefetch workers", for the measurement.
+# reader's own FUSE thread): 16 for a network store, 8 when the source is a local
+# spinning disk. Measured in README, "Benchmarks".
 DEFAULT_PREFETCH_WORKERS = 16
+ROTATIONAL_PREFETCH_WORKERS = 8
 
 # Metadata TTL (seconds) for stat results and directory listings, in cachefs and in the
 # kernel. Training data sets are immutable while a job runs; an hour keeps a whole epoch
@@ -140,5 +142,5 @@ class Config:
     debug_fuse: bool = False
     zero_message_open: bool = True
     readahead: str = DEFAULT_READAHEAD
-    prefetch_workers: int = DEFAULT_PREFETCH_WORKERS
+    prefetch_workers: int | None = None  # None: by the source's kind (see validate)
     warm: bool = False

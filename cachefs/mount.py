@@ -30,10 +30,12 @@ from cachefs import __version__
 from cachefs.config import (
     DEFAULT_DISK_FRACTION,
     DEFAULT_DISK_MAX,
+    DEFAULT_PREFETCH_WORKERS,
     DEFAULT_RAM_FRACTION,
     DEFAULT_RAM_MAX,
     MAX_READ,
     MOUNT_READY_TIMEOUT,
+    ROTATIONAL_PREFETCH_WORKERS,
     Config,
     format_size,
 )
@@ -154,6 +156,20 @@ def resolve_sizes(config: Config) -> None:
         config.disk_size = int(min(DEFAULT_DISK_MAX, free * DEFAULT_DISK_FRACTION))
 
 
+def source_is_rotational(path: str) -> bool:
+    """True when `path` lies on a local spinning disk (sysfs says rotational)."""
+    try:
+        dev = os.stat(path).st_dev
+        base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
+        for candidate in (f"{base}/queue/rotational", f"{base}/../queue/rotational"):  # disk, partition
+            if os.path.exists(candidate):
+                with open(candidate) as f:
+                    return f.read().strip() == "1"
+    except OSError:
+        pass
+    return False
+
+
 def validate(config: Config, clean_stale: bool = True) -> list[str]:
     """Check a mount request; raise CachefsError (exit 2) on bad input, return notices.
 
@@ -210,6 +226,12 @@ def validate(config: Config, clean_stale: bool = True) -> list[str]:
         raise CachefsError(f"block size {config.block_size} must be a multiple of 4 KiB between 4 KiB and 256 MiB")
     if config.metadata_ttl < 0 or config.negative_ttl < 0:
         raise CachefsError("metadata TTLs must not be negative")
+    if config.prefetch_workers is None:
+        # One head: more than a few fetches in flight only make it seek between them
+        # (measured on slowfs's disk model: 8 workers 5.95x the direct read, 16 workers
+        # 4.5x); a network store wants more in flight (10 ms: 16 workers 2.9x, 8 2.1x).
+        config.prefetch_workers = ROTATIONAL_PREFETCH_WORKERS if source_is_rotational(src) \
+            else DEFAULT_PREFETCH_WORKERS
     if not 0 <= config.prefetch_workers <= 1024:
         raise CachefsError(f"--prefetch-workers {config.prefetch_workers} must be between 0 and 1024")
     if config.warm and config.prefetch_workers == 0:
@@ -303,7 +325,8 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
     ram = MemoryTier(config.ram_size, stats)
     disk = DiskTier(os.path.join(config.cache_dir, "blocks"), config.disk_size, stats) if config.disk_size else None
     cache = MultiLevelCache(ram, disk, stats)
-    prefetcher = Prefetcher(config.prefetch_workers, stats) if config.prefetch_workers > 0 else None
+    workers = config.prefetch_workers if config.prefetch_workers is not None else DEFAULT_PREFETCH_WORKERS
+    prefetcher = Prefetcher(workers, stats) if workers > 0 else None
     core = Core(source, cache, stats, namespace=source_namespace(config.source),
                 block_size=config.block_size, metadata_ttl=config.metadata_ttl,
                 negative_ttl=config.negative_ttl, prefetcher=prefetcher, readahead=config.readahead)
