@@ -193,3 +193,17 @@ def test_disk_tier_reopened_with_a_smaller_budget_trims_itself(disk):
     while small.used_bytes > 2 << 20 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert small.used_bytes <= 2 << 20
+
+
+def test_batched_background_writes_respect_the_budget(disk):
+    cap = 3 << 20
+    t = disk(capacity=cap)
+    rng = random.Random(5)
+    for i in range(120):
+        t.put(b"q%d" % i, rng.randbytes(rng.randrange(10_000, 150_000)))
+        if i % 10 == 0:
+            assert t.used_bytes <= cap
+    t.flush()
+    assert t.used_bytes <= cap
+    assert t.get(b"q119") is not None
+    assert t._stats.get("disk.writes") == 120

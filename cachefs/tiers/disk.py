@@ -31,6 +31,9 @@ log = logging.getLogger(__name__)
 
 _STOP = object()
 WRITER_NICE = 10
+WRITE_BATCH = 32        # blocks per SQLite transaction
+EXACT_MARGIN = 8 << 20  # bytes: closer than this to the budget, every write measures the volume
+EXACT_EVERY = 64        # and at least every this many writes
 
 
 class _BlockDisk(diskcache.Disk):
@@ -79,6 +82,7 @@ class DiskTier:
         # the cache dir are not seen by this one until it restarts (a refetch, never wrong bytes).
         self._present: set[int] = set()
         self._approx_used = 0  # volume after the last write: has_room() without a query
+        self._since_exact = 0
         self._index_ready = threading.Event()
         threading.Thread(target=self._load_index, name="cachefs-disk-index", daemon=True).start()
         self._writer = threading.Thread(target=self._write_loop, name="cachefs-disk-writer", daemon=True)
@@ -162,19 +166,30 @@ class DiskTier:
         if len(blob) > self._capacity:
             return False
         try:
-            if self._cache.volume() + len(blob) > self._capacity:
+            # The exact volume is two SQLite queries; far from the limit, the running
+            # estimate is enough (it can only be short by the database's page growth since
+            # the last exact reading, a few KiB, far below EXACT_MARGIN).
+            exact = (self._approx_used + len(blob) + EXACT_MARGIN > self._capacity
+                     or self._since_exact >= EXACT_EVERY)
+            volume = self._cache.volume() if exact else self._approx_used
+            if volume + len(blob) > self._capacity:
                 if not evict:
                     self._stats.incr("disk.no_room")
                     return False
                 self._make_room(len(blob))
             self._cache.set(key, blob, retry=True)
             self._present.add(xxhash.xxh3_64_intdigest(key))
-            # The write itself may have grown the database by a page; trim back under budget.
-            volume = self._cache.volume()
-            if volume > self._capacity:
-                self._make_room(0)
+            if exact:
+                # The write itself may have grown the database by a page; trim back under budget.
                 volume = self._cache.volume()
-            self._approx_used = volume
+                if volume > self._capacity:
+                    self._make_room(0)
+                    volume = self._cache.volume()
+                self._approx_used = volume
+                self._since_exact = 0
+            else:
+                self._approx_used += len(blob)
+                self._since_exact += 1
         except Exception as exc:
             self._stats.incr("disk.errors")
             log.warning("cache disk write failed (%s); continuing without caching this block", exc)
@@ -222,17 +237,35 @@ class DiskTier:
         except Exception as exc:
             log.warning("could not trim the NVMe tier to its budget (%s)", exc)
         while True:
-            item = self._queue.get()
+            batch = [self._queue.get()]
+            while len(batch) < WRITE_BATCH:  # what else is waiting goes into one transaction
+                try:
+                    batch.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            stop = _STOP in batch
+            items = [item for item in batch if item is not _STOP]
             try:
-                if item is _STOP:
-                    return
-                key, data, evict = item
-                self.put_now(key, data, evict)
-                with self._qlock:
-                    self._queued_bytes -= len(data)
-                    self._qroom.notify_all()
+                if items:
+                    self._write_batch(items)
             finally:
-                self._queue.task_done()
+                for _ in batch:
+                    self._queue.task_done()
+            if stop:
+                return
+
+    def _write_batch(self, items: list) -> None:
+        try:
+            with self._cache.transact(retry=True):
+                for key, data, evict in items:
+                    self.put_now(key, data, evict)
+        except Exception as exc:  # put_now handles its own errors; this is the commit
+            self._stats.incr("disk.errors")
+            log.warning("cache disk write failed (%s)", exc)
+        finally:
+            with self._qlock:
+                self._queued_bytes -= sum(len(data) for _, data, _ in items)
+                self._qroom.notify_all()
 
     def flush(self) -> None:
         """Wait until every queued write is on disk (or dropped after an error)."""
