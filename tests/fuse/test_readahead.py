@@ -64,3 +64,22 @@ def test_warm_rejects_paths_outside_cachefs(tmp_path):
     assert proc.returncode == 2 and "not on a cachefs mount" in proc.stderr
     proc = cli("warm", tmp_path / "missing")
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_warm_at_mount_time_loads_the_tree_in_the_background(tmp_path, mounts):
+    import time
+
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(30):
+        (src / "d" / f"{i}.bin").write_bytes(os.urandom(20_000 + i))
+    slow = mounts.slowfs(str(src), latency="1ms")
+    mp = mounts.cachefs(str(slow), extra=["--warm"])
+    deadline = time.monotonic() + 30
+    while stats(mp).get("warm", {}).get("files_loaded", 0) < 30 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert stats(mp)["warm"]["files_loaded"] == 30
+    slowfs_reset(str(slow))
+    for i in range(30):
+        assert len((mp / "d" / f"{i}.bin").read_bytes()) == 20_000 + i
+    assert slowfs_stats(str(slow))["read"] == 0
