@@ -289,20 +289,28 @@ class Core:
             return data, "ram"
         # Single flight: concurrent readers of one missing block (the kernel's parallel
         # read-ahead, several DataLoader workers) share one NVMe lookup or source fetch.
-        with self._inflight_lock:
-            pending = self._inflight.get(key)
-            owner = pending is None
-            if owner:
-                pending = self._inflight[key] = Future()
-        assert pending is not None
+        pending, owner = self._claim(key)
         if not owner:
             self.stats.incr("reads.inflight_waits")
             result = pending.result()
             if self._ahead:
                 self._note_used(key)  # it was a read-ahead fetch this reader caught up with
             return result
+        return self._run_owned(key, pending, lambda: self._fetch(key, fid, index))
+
+    def _claim(self, key: bytes) -> tuple[Future, bool]:
+        """The in-flight fetch of `key`, and whether the caller now owns (must run) it."""
+        with self._inflight_lock:
+            pending = self._inflight.get(key)
+            if pending is not None:
+                return pending, False
+            pending = self._inflight[key] = Future()
+            return pending, True
+
+    def _run_owned(self, key: bytes, pending: Future, fetch: Callable[[], tuple[bytes, str]]) -> tuple[bytes, str]:
+        """Run the fetch this thread owns and hand its result (or error) to every waiter."""
         try:
-            result = self._fetch(key, fid, index)
+            result = fetch()
             pending.set_result(result)
             return result
         except BaseException as exc:
@@ -368,24 +376,21 @@ class Core:
         if not self.cache.has_room(length):
             self.stats.incr("prefetch.no_room")
             return "no_room"
-        with self._inflight_lock:
-            if key in self._inflight:
-                return "inflight"
-            pending: Future = Future()
-            self._inflight[key] = pending
-        try:
+        pending, owner = self._claim(key)
+        if not owner:
+            return "inflight"
+        admitted = False
+
+        def fetch() -> tuple[bytes, str]:
+            nonlocal admitted
             data = self._fetch_source(fid, index)
             admitted = self.cache.put(key, data, evict=False)
             if admitted:  # before waking waiters, so a reader waiting on it counts as a use
                 with self._ahead_lock:
                     self._ahead.add(key)
-            pending.set_result((data, "source"))
-        except BaseException as exc:
-            pending.set_exception(exc)
-            raise
-        finally:
-            with self._inflight_lock:
-                del self._inflight[key]
+            return data, "source"
+
+        data, _ = self._run_owned(key, pending, fetch)
         if not admitted:
             self.stats.incr("prefetch.no_room")
             return "no_room"

@@ -29,13 +29,12 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cachefs.config import format_size, parse_size
-from tools.epoch import list_imagefolder, run_epochs
+from tools.epoch import list_imagefolder, read_sequentially, run_epochs
 from tools.mkdataset import build
 from tools.mounts import cachefs, cachefs_stats, slowfs
 from tools.slowfs import read_stats, reset_stats
@@ -180,11 +179,7 @@ def cmd_epoch(args: argparse.Namespace) -> int:
 
 
 def cat_read(path: str) -> float:
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.read(128 << 10):
-            pass
-    return time.perf_counter() - t0
+    return read_sequentially(path, 128 << 10)  # cat's read size
 
 
 def cmd_seq(args: argparse.Namespace) -> int:

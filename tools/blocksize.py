@@ -23,6 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cachefs.config import parse_size
+from tools.epoch import read_sequentially
 from tools.mounts import cachefs, cachefs_stats, slowfs
 
 RANDOM_READS = 100
@@ -30,11 +31,7 @@ RANDOM_SIZE = 128 << 10
 
 
 def seq_read(path: str) -> float:
-    t0 = time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while f.read(1 << 20):
-            pass
-    return time.perf_counter() - t0
+    return read_sequentially(path, 1 << 20)
 
 
 def random_reads(path: str, size: int, seed: int) -> float:
