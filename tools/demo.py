@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not os.path.isdir(src):
             print(f"1. making {args.classes * args.per_class} JPEGs in {src}")
-            build(src, args.classes, args.per_class, seed=0, mean_kb=110.0)
+            build(src, args.classes, args.per_class, seed=0, mean_kb=110.0, progress=sys.stderr.isatty())
         print(f"2. serving it through slowfs at {slow} ({args.latency} per request, {args.bandwidth}/s)")
         with slowfs(src, slow, latency=args.latency, bandwidth=args.bandwidth):
             rel = [os.path.relpath(x, slow) for x in list_imagefolder(slow)]
