@@ -276,10 +276,6 @@ class Core:
         self.stats.add_many(served)
         return out
 
-    def get_block(self, fid: FileId, index: int) -> bytes:
-        """One whole block: from a tier if cached, else fetched from the source and cached."""
-        return self._block(fid, index)[0]
-
     def _block(self, fid: FileId, index: int) -> tuple[bytes, str]:
         key = block_key(self.namespace, fid, index, self.block_size)
         if self._ahead:

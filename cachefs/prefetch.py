@@ -49,7 +49,6 @@ class Prefetcher:
         self._wake = threading.Condition(self._lock)
         self._threads: list[threading.Thread] = []
         self._stopping = False
-        self._running = 0
         self._stats.gauge("prefetch.queued", lambda: len(self._queued))
 
     # -- feeding -------------------------------------------------------------------------
@@ -117,17 +116,11 @@ class Prefetcher:
             task = self._from_feeders()  # outside the lock: feeders may list directories
         if task is None:
             return False
-        with self._lock:
-            self._running += 1
         try:
             task()
         except Exception as exc:  # a failed guess is only counted
             self._stats.incr("prefetch.errors")
             log.debug("prefetch task failed: %s", exc)
-        finally:
-            with self._lock:
-                self._running -= 1
-                self._wake.notify_all()
         return True
 
     def run_until_idle(self, limit: int = 1_000_000) -> int:
@@ -165,10 +158,6 @@ class Prefetcher:
         for t in self._threads:
             t.join(timeout)
         self._threads.clear()
-
-    def idle(self) -> bool:
-        with self._lock:
-            return not self._queued and self._running == 0
 
     def __len__(self) -> int:
         return len(self._queued)
