@@ -9,16 +9,39 @@ from cachefs.errors import SourceChanged
 from cachefs.mount import _unescape
 from cachefs.source import LocalSource
 
+# Every test runs with both ways of resolving a path under the root: openat2 with
+# RESOLVE_BENEATH (Linux 5.6+), and the /proc/self/fd check used where openat2 is missing.
+RESOLVERS = ["openat2", "procfd"]
 
-@pytest.fixture
-def src(tmp_path):
+
+def make_source(root, resolver):
+    source = LocalSource(str(root))
+    if resolver == "procfd":
+        source._openat2 = False
+    return source
+
+
+@pytest.fixture(params=RESOLVERS)
+def src(tmp_path, request):
     root = tmp_path / "root"
     (root / "d").mkdir(parents=True)
     (root / "d" / "f").write_bytes(b"0123456789")
     os.symlink("d/f", root / "ln")
     os.symlink(str(tmp_path / "outside"), root / "escape")
     (tmp_path / "outside").write_text("secret outside the source")
-    return LocalSource(str(root))
+    return make_source(root, request.param)
+
+
+def test_openat2_is_used_on_this_kernel(tmp_path):
+    (tmp_path / "f").write_bytes(b"x")
+    source = LocalSource(str(tmp_path))
+    assert source.stat("/f").size == 1
+    assert source._openat2, "openat2 was given up: paths take the slower /proc/self/fd route"
+
+
+def test_a_relative_symlink_inside_the_source_is_not_an_escape(src, tmp_path):
+    os.symlink("d", tmp_path / "root" / "dl")
+    assert src.stat("/dl/f").size == 10
 
 
 def fid_of(src, path):
@@ -78,14 +101,15 @@ def test_mountinfo_unescaping():
     assert _unescape(r"/a\011tab\012nl\134bs") == "/a\ttab\nnl\\bs"
 
 
-def test_a_directory_swapped_for_a_symlink_cannot_lead_outside(tmp_path):
+@pytest.mark.parametrize("resolver", RESOLVERS)
+def test_a_directory_swapped_for_a_symlink_cannot_lead_outside(tmp_path, resolver):
     root = tmp_path / "root"
     (root / "a").mkdir(parents=True)
     (root / "a" / "secret").write_text("inside")
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "secret").write_text("OUTSIDE")
-    src = LocalSource(str(root))
+    src = make_source(root, resolver)
     fid = fid_of(src, "/a/secret")
     assert src.read_range(fid, 0, 6) == b"inside"
     # the source changes under us: /a becomes a symlink to a directory outside
