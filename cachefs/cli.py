@@ -11,8 +11,10 @@ from typing import Any
 from cachefs import __version__
 from cachefs.config import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_IDLE,
     DEFAULT_METADATA_TTL,
     DEFAULT_NEGATIVE_TTL,
+    DEFAULT_POLICY,
     DEFAULT_PREFETCH_WORKERS,
     DEFAULT_READAHEAD,
     READAHEAD_MODES,
@@ -24,6 +26,7 @@ from cachefs.config import (
     parse_size,
 )
 from cachefs.errors import CachefsError
+from cachefs.policy import parse_policy_spec
 
 
 class _Parser(argparse.ArgumentParser):
@@ -53,6 +56,14 @@ def _duration(what: str) -> Callable[[str], float]:
     return _argtype(parse_duration, what)
 
 
+def _policy(text: str) -> str:
+    try:
+        parse_policy_spec(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"invalid --policy: {exc}") from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="cachefs", description="A read-only FUSE cache (RAM + NVMe) in front of slow storage.")
     p.add_argument("--version", action="version", version=f"cachefs {__version__}")
@@ -71,6 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--disk-size", type=_size("--disk-size"), metavar="SIZE",
                        help="NVMe tier budget, a hard limit, e.g. 200GiB; 0 disables the tier "
                             "(default: half the free space of the cache disk, at most 64 GiB)")
+    tiers.add_argument("--min-free", type=_size("--min-free"), metavar="SIZE",
+                       help="space the NVMe tier always leaves free on the cache disk, a hard limit "
+                            "(default: 5%% of the disk, at most 10 GiB)")
+    tiers.add_argument("--policy", default=DEFAULT_POLICY, type=_policy, metavar="POLICY",
+                       help="what each tier keeps: keep (admit until full, then keep: the best hit rate "
+                            "under shuffled epochs) or lru; per tier as ram=lru,disk=keep "
+                            "(default: %(default)s)")
+    tiers.add_argument("--max-idle", type=_duration("--max-idle"), default=DEFAULT_MAX_IDLE, metavar="SECONDS",
+                       help="evict blocks unread this long before any other, e.g. 12h; 0 = never "
+                            f"(default: {DEFAULT_MAX_IDLE / 3600:.0f}h)")
     tiers.add_argument("--block-size", type=_size("--block-size"), default=DEFAULT_BLOCK_SIZE, metavar="SIZE",
                        help="cache block size; files up to this size are one block "
                             f"(default: {format_size(DEFAULT_BLOCK_SIZE)})")
@@ -189,6 +210,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         allow_other=args.allow_other, log_file=args.log_file, verbose=args.verbose,
         debug_fuse=args.debug_fuse, zero_message_open=not args.open_per_handle,
         readahead=args.readahead, prefetch_workers=args.prefetch_workers, warm=args.warm,
+        policy=args.policy, max_idle=args.max_idle, min_free=args.min_free,
     )
     return mount(config)
 

@@ -59,6 +59,19 @@ MAX_READ = 1 * MiB
 # the number of misses in flight; 8 DataLoader workers plus kernel read-ahead need > 10.
 FUSE_MAX_THREADS = 32
 
+# Cache policy of both tiers: "keep" (admit until full, then keep what you have, with
+# ageing; wins on every epoch pattern tools/simulate.py replays) or "lru". README, "Cache policy".
+DEFAULT_POLICY = "keep"
+
+# A block unread this long (seconds) is evicted before any other, whatever the policy, so
+# a dataset nobody reads any more does not lock a new one out. 0 turns the rule off.
+DEFAULT_MAX_IDLE = 24 * 3600.0
+
+# Space kept free on the cache disk (bytes): 5% of its size, at most 10 GiB, unless
+# --min-free says. The NVMe tier shrinks when other programs fill the disk.
+DEFAULT_MIN_FREE_FRACTION = 0.05
+DEFAULT_MIN_FREE_MAX = 10 * GiB
+
 # Bytes of finished blocks that may wait for the background NVMe writer. A full queue
 # drops the write (the block stays in RAM): a miss never waits for the cache disk.
 DISK_WRITE_QUEUE_BYTES = 64 * MiB
@@ -144,3 +157,6 @@ class Config:
     readahead: str = DEFAULT_READAHEAD
     prefetch_workers: int | None = None  # None: by the source's kind (see validate)
     warm: bool = False
+    policy: str = DEFAULT_POLICY  # "keep", "lru", or per tier: "ram=lru,disk=keep"
+    max_idle: float = DEFAULT_MAX_IDLE  # seconds; 0 = off
+    min_free: int | None = None  # bytes; None = DEFAULT_MIN_FREE_* rule

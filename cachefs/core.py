@@ -329,6 +329,12 @@ class Core:
         self.cache.put(key, data)
         return data, "source"
 
+    def _version_gone(self, fid: FileId) -> None:
+        """The source no longer has this version of the file: its cached blocks can never be
+        read again (keys include the identity), so every tier evicts them before anything else."""
+        for index in range(-(-fid.size // self.block_size)):
+            self.cache.mark_stale(block_key(self.namespace, fid, index, self.block_size))
+
     def _fetch_source(self, fid: FileId, index: int) -> bytes:
         """One whole block from the source, for a demand miss or a guess."""
         offset, length = block_extent(index, fid.size, self.block_size)
@@ -336,10 +342,12 @@ class Core:
             data = self._source_call("read_range", self.source.read_range, fid, offset, length)
         except SourceChanged:
             self.stats.incr("source.changed")
+            self._version_gone(fid)
             self.on_source_changed(fid.path)
             raise
         except OSError as exc:
             if exc.errno in (errno.ENOENT, errno.ELOOP, errno.EISDIR, errno.ENOTDIR):
+                self._version_gone(fid)
                 self.on_source_changed(fid.path)  # gone or replaced: the cached stat is wrong
             raise
         self.stats.incr("source.bytes", len(data))

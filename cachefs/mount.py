@@ -30,6 +30,8 @@ from cachefs import __version__
 from cachefs.config import (
     DEFAULT_DISK_FRACTION,
     DEFAULT_DISK_MAX,
+    DEFAULT_MIN_FREE_FRACTION,
+    DEFAULT_MIN_FREE_MAX,
     DEFAULT_PREFETCH_WORKERS,
     DEFAULT_RAM_FRACTION,
     DEFAULT_RAM_MAX,
@@ -40,6 +42,7 @@ from cachefs.config import (
     format_size,
 )
 from cachefs.errors import CachefsError
+from cachefs.policy import parse_policy_spec
 
 log = logging.getLogger(__name__)
 
@@ -154,6 +157,9 @@ def resolve_sizes(config: Config) -> None:
     if config.disk_size is None:
         free = shutil.disk_usage(_nearest_existing(config.cache_dir)).free
         config.disk_size = int(min(DEFAULT_DISK_MAX, free * DEFAULT_DISK_FRACTION))
+    if config.min_free is None:
+        total = shutil.disk_usage(_nearest_existing(config.cache_dir)).total
+        config.min_free = int(min(DEFAULT_MIN_FREE_MAX, total * DEFAULT_MIN_FREE_FRACTION))
 
 
 def source_is_rotational(path: str) -> bool:
@@ -242,7 +248,15 @@ def validate(config: Config, clean_stale: bool = True) -> list[str]:
     if config.ram_size > total:
         raise CachefsError(f"--ram-size {format_size(config.ram_size)} exceeds this machine's memory "
                            f"({format_size(total)})")
-    free = shutil.disk_usage(_nearest_existing(cache)).free
+    usage = shutil.disk_usage(_nearest_existing(cache))
+    free = usage.free
+    assert config.min_free is not None
+    if config.disk_size and config.min_free >= usage.total:
+        raise CachefsError(f"--min-free {format_size(config.min_free)} is not less than the cache disk's "
+                           f"size ({format_size(usage.total)})")
+    if config.disk_size and free < config.min_free:
+        notices.append(f"warning: the cache disk has {format_size(free)} free, less than --min-free "
+                       f"{format_size(config.min_free)}: the NVMe tier stores nothing until space is freed")
     if config.disk_size > free:
         notices.append(f"warning: --disk-size {format_size(config.disk_size)} is more than the "
                        f"{format_size(free)} free on the cache disk")
@@ -322,8 +336,12 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
                    prefetch_workers=config.prefetch_workers)
     source = LocalSource(config.source)
     assert config.ram_size is not None and config.disk_size is not None
-    ram = MemoryTier(config.ram_size, stats)
-    disk = DiskTier(os.path.join(config.cache_dir, "blocks"), config.disk_size, stats) if config.disk_size else None
+    policies = parse_policy_spec(config.policy)
+    max_idle = config.max_idle or None
+    ram = MemoryTier(config.ram_size, stats, policy=policies["ram"], max_idle=max_idle)
+    disk = (DiskTier(os.path.join(config.cache_dir, "blocks"), config.disk_size, stats,
+                     policy=policies["disk"], max_idle=max_idle, min_free=config.min_free or 0)
+            if config.disk_size else None)
     cache = MultiLevelCache(ram, disk, stats)
     workers = config.prefetch_workers if config.prefetch_workers is not None else DEFAULT_PREFETCH_WORKERS
     prefetcher = Prefetcher(workers, stats) if workers > 0 else None

@@ -6,7 +6,7 @@ import pytest
 
 from cachefs.checksum import encode_block
 from cachefs.stats import Stats
-from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.disk import DiskTier, disk_key
 from cachefs.tiers.memory import MemoryTier
 from cachefs.tiers.multilevel import MultiLevelCache
 
@@ -15,11 +15,22 @@ def check_memory_invariants(tier: MemoryTier):
     entries = tier._entries
     assert tier.used_bytes == sum(len(v) for v in entries.values())
     assert tier.used_bytes <= tier.capacity
+    tier.check()
+
+
+def test_memory_tier_keep_policy_refuses_instead_of_evicting():
+    stats = Stats()
+    t = MemoryTier(100, stats)  # the default policy: keep what you have
+    assert t.put(b"a", b"x" * 40) and t.put(b"b", b"y" * 40)
+    assert not t.put(b"c", b"z" * 40)  # full, nothing idle: c is not admitted
+    assert t.get(b"a") and t.get(b"b") and t.get(b"c") is None
+    assert stats.get("ram.evictions") == 0
+    check_memory_invariants(t)
 
 
 def test_memory_tier_lru_and_budget():
     stats = Stats()
-    t = MemoryTier(100, stats)
+    t = MemoryTier(100, stats, policy="lru")
     assert t.put(b"a", b"x" * 40) and t.put(b"b", b"y" * 40)
     assert t.get(b"a") == b"x" * 40            # a is now most recent
     assert t.put(b"c", b"z" * 40)              # evicts b, the least recent
@@ -36,9 +47,10 @@ def test_memory_tier_refuses_oversized_block_without_evicting():
     check_memory_invariants(t)
 
 
-def test_memory_tier_invariants_under_random_operations():
+@pytest.mark.parametrize("policy", ["keep", "lru"])
+def test_memory_tier_invariants_under_random_operations(policy):
     rng = random.Random(7)
-    t = MemoryTier(1000)
+    t = MemoryTier(1000, policy=policy)
     for _ in range(3000):
         key = b"k%d" % rng.randrange(50)
         op = rng.random()
@@ -55,8 +67,8 @@ def test_memory_tier_invariants_under_random_operations():
 def disk(tmp_path):
     tiers = []
 
-    def make(capacity=10 << 20, stats=None):
-        t = DiskTier(str(tmp_path / "blocks"), capacity, stats or Stats())
+    def make(capacity=10 << 20, stats=None, **kw):
+        t = DiskTier(str(tmp_path / "blocks"), capacity, stats or Stats(), **kw)
         tiers.append(t)
         return t
 
@@ -97,7 +109,7 @@ def test_disk_tier_blob_stored_under_wrong_key_is_a_miss(disk):
     stats = Stats()
     t = disk(stats=stats)
     t.put_now(b"k2", b"data")
-    t._cache.set(b"k2", encode_block(b"k1", b"data"))   # k1's blob now stored under k2
+    t._cache.set(disk_key(b"k2"), encode_block(b"k1", b"data"))   # k1's blob now stored under k2
     assert t.get(b"k2") is None
     assert stats.get("disk.checksum_failures") == 1
 
@@ -127,15 +139,20 @@ def test_disk_tier_index_answers_misses_without_the_database(disk):
         t._cache = real
 
 
-def test_disk_tier_never_exceeds_capacity(disk):
+@pytest.mark.parametrize("policy", ["keep", "lru"])
+def test_disk_tier_never_exceeds_capacity(disk, policy):
     cap = 2 << 20
-    t = disk(capacity=cap)
+    t = disk(capacity=cap, policy=policy)
     rng = random.Random(1)
     for i in range(200):
         t.put_now(b"k%d" % i, rng.randbytes(rng.randrange(1000, 200_000)))
         assert t.used_bytes <= cap
+        t.check()
     assert t.used_bytes > cap // 2       # and it is actually used
-    assert t.get(b"k199") is not None    # the newest survives
+    if policy == "lru":
+        assert t.get(b"k199") is not None and t.get(b"k0") is None  # the newest survives
+    else:
+        assert t.get(b"k0") is not None and t.get(b"k199") is None  # the first ones stay
 
 
 def test_disk_tier_files_are_private(disk, tmp_path):
@@ -197,7 +214,7 @@ def test_disk_tier_reopened_with_a_smaller_budget_trims_itself(disk):
 
 def test_batched_background_writes_respect_the_budget(disk):
     cap = 3 << 20
-    t = disk(capacity=cap)
+    t = disk(capacity=cap, policy="lru")
     rng = random.Random(5)
     for i in range(120):
         t.put(b"q%d" % i, rng.randbytes(rng.randrange(10_000, 150_000)))
@@ -207,3 +224,4 @@ def test_batched_background_writes_respect_the_budget(disk):
     assert t.used_bytes <= cap
     assert t.get(b"q119") is not None
     assert t._stats.get("disk.writes") == 120
+    t.check()

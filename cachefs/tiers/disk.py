@@ -1,14 +1,22 @@
-"""The NVMe tier: checksummed blocks in a diskcache.Cache under the cache dir.
+"""The NVMe tier: checksummed blocks in a diskcache.Cache under the cache dir, kept or
+evicted by a Policy (cachefs/policy.py), under two hard limits: --disk-size and --min-free.
 
-Each value is `checksum.encode_block(key, data)`; a get verifies it and treats any failure
-(bad header, bad checksum, I/O error, SQLite error) as a counted miss, deleting the entry.
+Each value is `checksum.encode_block(key, data)`, stored under the 16-byte xxh3_128 of the
+cache key; a get verifies the header (which holds the xxh3_64 of the full key) and treats
+any failure (bad header, bad checksum, I/O error, SQLite error) as a counted miss,
+deleting the entry.
 
 Writes go through one background thread with a byte-bounded queue: a read that missed
-returns as soon as the source answered, never after an fsync on the cache disk, and a full
-queue drops the write (the block is still in RAM). That writer is also the only thing that
-grows the cache, which is what makes the budget exact: before each write it culls the
-oldest entries until `volume + blob <= capacity`, where volume is diskcache's own account
-of the database pages plus the value files.
+returns as soon as the source answered, never after a write to the cache disk, and a full
+queue drops the write (the block is still in RAM). That writer is the only thing that
+grows the cache, which is what makes the budget exact: the policy admits a block only
+within `limit`, and `limit` is re-measured from diskcache's own account of its volume
+(database pages plus value files) and from statvfs of the cache disk whenever the tier
+comes within EXACT_MARGIN of either limit, and at least every EXACT_EVERY writes.
+
+The policy's bookkeeping is also the in-memory index: a miss is a dict lookup, not a
+SQLite query. It is rebuilt from the database at start (oldest first) by the writer
+thread before its first write; until then lookups ask diskcache.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import logging
 import os
 import queue
 import threading
+import time
 
 import diskcache
 import xxhash
@@ -25,6 +34,7 @@ import xxhash
 from cachefs.checksum import HEADER_SIZE, decode_block, encode_block
 from cachefs.config import DISK_WRITE_QUEUE_BYTES
 from cachefs.errors import ChecksumError
+from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
 from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -32,8 +42,14 @@ log = logging.getLogger(__name__)
 _STOP = object()
 WRITER_NICE = 10
 WRITE_BATCH = 32        # blocks per SQLite transaction
-EXACT_MARGIN = 8 << 20  # bytes: closer than this to the budget, every write measures the volume
+EXACT_MARGIN = 8 << 20  # bytes: closer than this to a limit, every write re-measures
 EXACT_EVERY = 64        # and at least every this many writes
+DB_SLACK = 64 << 10     # room kept for the database's growth between two measurements
+
+
+def disk_key(key: bytes) -> bytes:
+    """The diskcache key of a cache key: 16 bytes, so the index costs little memory."""
+    return xxhash.xxh3_128_digest(key)
 
 
 class _BlockDisk(diskcache.Disk):
@@ -54,42 +70,40 @@ class DiskTier:
     name = "disk"
 
     def __init__(self, directory: str, capacity: int, stats: Stats | None = None,
-                 queue_bytes: int = DISK_WRITE_QUEUE_BYTES):
+                 queue_bytes: int = DISK_WRITE_QUEUE_BYTES, policy: str | Policy = DEFAULT_POLICY,
+                 max_idle: float | None = None, min_free: int = 0):
         self._dir = directory
         self._capacity = int(capacity)
+        self._min_free = int(min_free)
         self._stats = stats or Stats()
         os.makedirs(directory, mode=0o700, exist_ok=True)
         os.chmod(directory, 0o700)
         self._cache = diskcache.Cache(
             directory,
-            size_limit=self._capacity,
-            # No write on a hit: 'least-recently-used' would turn every read into a
-            # SQLite write transaction. Issue #4 brings epoch-aware policies.
-            eviction_policy="least-recently-stored",
-            cull_limit=0,  # we cull ourselves, before a write, so the budget is never exceeded
+            size_limit=1 << 62,
+            eviction_policy="none",  # the policy chooses victims; diskcache never culls
+            cull_limit=0,
             statistics=False,
             disk=_BlockDisk,
         )
+        self.policy = policy if isinstance(policy, Policy) else make_policy(policy, self._capacity, max_idle)
+        self.policy.capacity = 0  # nothing is admitted before the limits are measured
+        self._plock = threading.Lock()  # the policy: FUSE threads record hits, the writer admits
         self._queue: queue.Queue = queue.Queue()
         self._queued_bytes = 0
         self._queue_limit = queue_bytes
         self._qlock = threading.Lock()
         self._qroom = threading.Condition(self._qlock)
-        # Which keys are on disk, as 64-bit hashes: a miss (every block of a cold epoch) is
-        # then a set lookup instead of a SQLite query under the GIL. Loaded in the
-        # background; until then every lookup asks diskcache. A stale "present" (an entry
-        # culled since) just costs that query; entries written by another daemon sharing
-        # the cache dir are not seen by this one until it restarts (a refetch, never wrong bytes).
-        self._present: set[int] = set()
-        self._approx_used = 0  # volume after the last write: has_room() without a query
         self._since_exact = 0
+        self._free_estimate = 0  # bytes free on the cache disk, minus what we wrote since measuring
         self._index_ready = threading.Event()
-        threading.Thread(target=self._load_index, name="cachefs-disk-index", daemon=True).start()
+        self._started = threading.Event()  # the writer has loaded the index (or given up)
+        self._measured_at = 0.0
         self._writer = threading.Thread(target=self._write_loop, name="cachefs-disk-writer", daemon=True)
         self._writer.start()
         self._stats.gauge("disk.used_bytes", self._volume)
         self._stats.gauge("disk.capacity_bytes", lambda: self._capacity)
-        self._stats.gauge("disk.entries", self._len)
+        self._stats.gauge("disk.entries", lambda: len(self.policy))
 
     @property
     def directory(self) -> str:
@@ -106,36 +120,62 @@ class DiskTier:
     def _volume(self) -> int:
         return int(self._cache.volume())
 
-    def _len(self) -> int:
-        return len(self._cache)
+    def _disk_free(self) -> int:
+        st = os.statvfs(self._dir)
+        return st.f_bavail * st.f_frsize
+
+    # -- start-up --------------------------------------------------------------------
 
     def _load_index(self) -> None:
-        try:
-            rows = self._cache._sql("SELECT key FROM Cache").fetchall()
-            self._present.update(xxhash.xxh3_64_intdigest(k) for (k,) in rows if isinstance(k, bytes))
-            self._index_ready.set()
-            log.info("NVMe tier index: %d blocks", len(rows))
-        except Exception as exc:  # stay correct without it: every lookup asks diskcache
-            log.warning("could not index the NVMe tier (%s); lookups will query it directly", exc)
+        """Rebuild the policy from the database, oldest first; drop rows of an older format."""
+        rows = self._cache._sql(
+            "SELECT key, CASE WHEN filename IS NULL THEN length(value) ELSE size END"
+            " FROM Cache ORDER BY store_time").fetchall()
+        foreign = []
+        with self._plock:
+            self.policy.capacity = 1 << 62  # restored as found; _refresh_limits trims
+            for key, size in rows:
+                if isinstance(key, bytes) and len(key) == 16:
+                    self.policy.admit(key, int(size or 0))
+                else:
+                    foreign.append(key)
+        for key in foreign:  # written by an older cachefs under full keys: not findable now
+            self._cache.delete(key, retry=True)
+        if foreign:
+            log.info("NVMe tier: dropped %d blocks of an older cache format", len(foreign))
+        log.info("NVMe tier index: %d blocks", len(rows) - len(foreign))
+
+    # -- reads -----------------------------------------------------------------------
 
     def get(self, key: bytes) -> bytes | None:
-        if self._index_ready.is_set() and xxhash.xxh3_64_intdigest(key) not in self._present:
-            return None
+        dkey = disk_key(key)
+        if self._index_ready.is_set():
+            with self._plock:
+                if dkey not in self.policy:
+                    self.policy.miss()
+                    return None
         try:
-            blob = self._cache.get(key, default=None, read=False, retry=True)
+            blob = self._cache.get(dkey, default=None, read=False, retry=True)
         except Exception as exc:
             self._stats.incr("disk.errors")
             log.warning("cache disk read failed (%s); serving from the source", exc)
             return None
         if blob is None:
+            with self._plock:
+                self.policy.remove(dkey)  # gone behind our back (another daemon, a delete)
             return None
         try:
-            return decode_block(key, blob)
+            data = decode_block(key, blob)
         except ChecksumError as exc:
             self._stats.incr("disk.checksum_failures")
             log.warning("cached block failed verification (%s); dropping it and refetching", exc)
             self.discard(key)
             return None
+        with self._plock:
+            self.policy.hit(dkey)
+        return data
+
+    # -- writes ----------------------------------------------------------------------
 
     def put(self, key: bytes, data: bytes, evict: bool = True) -> bool:
         """Queue `data` for writing; False if the queue is full (the write is dropped).
@@ -149,48 +189,39 @@ class DiskTier:
             if self._queued_bytes + size > self._queue_limit:
                 self._stats.incr("disk.dropped_writes")
                 return False
-            if not evict and self._approx_used + self._queued_bytes + size + HEADER_SIZE > self._capacity:
+            if not evict and not self._room_for(self._queued_bytes + size + HEADER_SIZE):
                 return False
             self._queued_bytes += size
         self._queue.put((key, data, evict))
         return True
 
+    def _room_for(self, size: int) -> bool:
+        return self.policy.used + size <= self.policy.capacity
+
     def has_room(self, size: int) -> bool:
         """Room for `size` more bytes without evicting (an estimate, refreshed on each write)."""
         with self._qlock:
-            return self._approx_used + self._queued_bytes + size + HEADER_SIZE <= self._capacity
+            return self._room_for(self._queued_bytes + size + HEADER_SIZE)
 
     def put_now(self, key: bytes, data: bytes, evict: bool = True) -> bool:
         """Write synchronously (used by the writer thread and by tests)."""
+        self._started.wait(30)
         blob = encode_block(key, data)
-        if len(blob) > self._capacity:
-            return False
+        dkey = disk_key(key)
         try:
-            # The exact volume is two SQLite queries; far from the limit, the running
-            # estimate is enough (it can only be short by the database's page growth since
-            # the last exact reading, a few KiB, far below EXACT_MARGIN).
-            exact = (self._approx_used + len(blob) + EXACT_MARGIN > self._capacity
-                     or self._since_exact >= EXACT_EVERY)
-            volume = self._cache.volume() if exact else self._approx_used
-            if volume + len(blob) > self._capacity:
-                if not evict:
-                    self._stats.incr("disk.no_room")
-                    return False
-                self._make_room(len(blob))
-            self._cache.set(key, blob, retry=True)
-            self._present.add(xxhash.xxh3_64_intdigest(key))
-            if exact:
-                # The write itself may have grown the database by a page; trim back under budget.
-                volume = self._cache.volume()
-                if volume > self._capacity:
-                    self._make_room(0)
-                    volume = self._cache.volume()
-                self._approx_used = volume
-                self._since_exact = 0
-            else:
-                self._approx_used += len(blob)
-                self._since_exact += 1
+            self._refresh_limits(len(blob))
+            with self._plock:
+                victims = self.policy.admit(dkey, len(blob), evict)
+            if victims is None:
+                self._stats.incr("disk.no_room" if not evict else "disk.refused")
+                return False
+            self._delete(victims)
+            self._cache.set(dkey, blob, retry=True)
+            self._free_estimate -= len(blob)
+            self._since_exact += 1
         except Exception as exc:
+            with self._plock:
+                self.policy.remove(dkey)
             self._stats.incr("disk.errors")
             log.warning("cache disk write failed (%s); continuing without caching this block", exc)
             return False
@@ -198,29 +229,72 @@ class DiskTier:
         self._stats.incr("disk.written_bytes", len(data))
         return True
 
-    def _make_room(self, need: int) -> None:
-        target = max(0, self._capacity - need)
-        self._cache.reset("size_limit", target, update=False)  # in memory only: no DB write
-        evicted = self._cache.cull(retry=True)
-        if evicted:
-            self._stats.incr("disk.evictions", evicted)
+    def _refresh_limits(self, incoming: int = 0, force: bool = False) -> None:
+        """Set the policy's capacity from the two hard limits, measured when near either.
+
+        The policy counts blob bytes; the volume adds the database's pages. The limit for
+        the policy is what is left of --disk-size after those pages, and of the cache
+        disk's free space after --min-free. If either shrank below what is stored (a
+        smaller budget on remount, another program filling the disk), the policy gives
+        up entries, stale and least recently used first, until both hold again.
+        """
+        near = (self.policy.used + incoming + EXACT_MARGIN > self.policy.capacity
+                or (self._min_free and self._free_estimate - incoming < self._min_free + EXACT_MARGIN))
+        # Near a limit, measure again only if we wrote since (a full cache refusing one
+        # block after another must not query SQLite each time), or once a second (the disk's
+        # free space also moves with other programs' writes).
+        changed = self._since_exact > 0 or time.monotonic() - self._measured_at > 1.0
+        if not (force or (near and changed) or self._since_exact >= EXACT_EVERY):
+            return
+        self._since_exact = 0
+        self._measured_at = time.monotonic()
+        volume = self._volume()
+        overhead = max(0, volume - self.policy.used)
+        limit = self._capacity - overhead - DB_SLACK
+        if self._min_free:
+            free = self._disk_free()
+            self._free_estimate = free
+            limit = min(limit, self.policy.used + free - self._min_free - DB_SLACK)
+        limit = max(0, limit)
+        with self._plock:
+            self.policy.capacity = limit
+            victims = self.policy.shrink(self.policy.used - limit) if self.policy.used > limit else []
+        self._delete(victims)
+
+    def _delete(self, dkeys: list) -> None:
+        for dkey in dkeys:
+            self._cache.delete(dkey, retry=True)
+        if dkeys:
+            self._stats.incr("disk.evictions", len(dkeys))
 
     def discard(self, key: bytes) -> None:
-        self._present.discard(xxhash.xxh3_64_intdigest(key))
+        dkey = disk_key(key)
+        with self._plock:
+            self.policy.remove(dkey)
         try:
-            self._cache.delete(key, retry=True)
+            self._cache.delete(dkey, retry=True)
         except Exception as exc:
             log.warning("cache disk delete failed (%s)", exc)
 
+    def mark_stale(self, key: bytes) -> None:
+        with self._plock:
+            self.policy.mark_stale(disk_key(key))
+
     def __contains__(self, key: bytes) -> bool:
-        return key in self._cache
+        return disk_key(key) in self._cache
 
     def probably_has(self, key: bytes) -> bool:
-        """From the in-memory index, no I/O: True may be stale (culled since), False is
-        exact once the index is loaded; before that, ask the database."""
+        """From the in-memory index, no I/O: exact for this daemon's writes once the index
+        is loaded; before that, ask the database."""
         if self._index_ready.is_set():
-            return xxhash.xxh3_64_intdigest(key) in self._present
+            return disk_key(key) in self.policy
         return key in self
+
+    def check(self) -> None:
+        """Assert the invariants (tests): the policy's bookkeeping, and the hard budget."""
+        with self._plock:
+            self.policy.check()
+        assert self._volume() <= self._capacity, f"volume {self._volume()} > budget {self._capacity}"
 
     def _write_loop(self) -> None:
         try:
@@ -230,12 +304,17 @@ class DiskTier:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         except (OSError, AttributeError):
             pass
-        try:  # a remount with a smaller --disk-size: back under budget before anything else
-            if self._cache.volume() > self._capacity:
-                self._make_room(0)
-            self._approx_used = self._cache.volume()
+        try:
+            self._load_index()
+            # a remount with a smaller --disk-size, or a fuller disk: back under both limits
+            self._refresh_limits(force=True)
         except Exception as exc:
-            log.warning("could not trim the NVMe tier to its budget (%s)", exc)
+            # Without its index the tier admits nothing: cachefs runs on RAM and the source.
+            log.warning("could not index the NVMe tier (%s); not caching on disk", exc)
+        else:
+            self._index_ready.set()
+        finally:
+            self._started.set()
         while True:
             batch = [self._queue.get()]
             while len(batch) < WRITE_BATCH:  # what else is waiting goes into one transaction

@@ -1,36 +1,38 @@
-"""The RAM tier: blocks in a byte-bounded LRU.
+"""The RAM tier: blocks in a dict, bounded in bytes, kept or evicted by a Policy.
 
 Invariants (checked by tests/test_tiers.py after every operation):
   - used_bytes == sum(len(v) for v in entries) <= capacity, at every moment;
-  - a block larger than the whole tier is never admitted (and evicts nothing).
+  - a block larger than the whole tier is never admitted (and evicts nothing);
+  - the blocks held are exactly the policy's keys.
 """
 
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Callable
 
+from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
 from cachefs.stats import Stats
 
 
 class MemoryTier:
     name = "ram"
 
-    def __init__(self, capacity: int, stats: Stats | None = None):
+    def __init__(self, capacity: int, stats: Stats | None = None, policy: str | Policy = DEFAULT_POLICY,
+                 max_idle: float | None = None):
         self._capacity = int(capacity)
-        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
-        self._used = 0
+        self.policy = policy if isinstance(policy, Policy) else make_policy(policy, self._capacity, max_idle)
+        self._entries: dict[bytes, bytes] = {}
         self._lock = threading.Lock()
         self._stats = stats or Stats()
         self.on_evict: Callable[[bytes], None] | None = None  # told of every evicted key
-        self._stats.gauge("ram.used_bytes", lambda: self._used)
+        self._stats.gauge("ram.used_bytes", lambda: self.policy.used)
         self._stats.gauge("ram.capacity_bytes", lambda: self._capacity)
         self._stats.gauge("ram.entries", lambda: len(self._entries))
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self.policy.used
 
     @property
     def capacity(self) -> int:
@@ -46,48 +48,50 @@ class MemoryTier:
         with self._lock:
             data = self._entries.get(key)
             if data is not None:
-                self._entries.move_to_end(key)
+                self.policy.hit(key)
+            else:
+                self.policy.miss()
         return data
 
     def put(self, key: bytes, data: bytes, evict: bool = True) -> bool:
-        """Store a block; with evict=False only if it fits without evicting anything
+        """Store a block if the policy admits it; with evict=False only into free room
         (read-ahead never pushes out data for a guess)."""
-        size = len(data)
-        if size > self._capacity:
-            return False
-        victims: list[bytes] = []
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._used -= len(old)
-            if not evict and self._used + size > self._capacity:
-                if old is not None:  # put back what was there
-                    self._entries[key] = old
-                    self._used += len(old)
+            victims = self.policy.admit(key, len(data), evict)
+            if victims is None:
+                if key not in self.policy:  # a refused re-put also dropped the old copy
+                    self._entries.pop(key, None)
                 return False
-            while self._used + size > self._capacity:
-                victim, vdata = self._entries.popitem(last=False)
-                self._used -= len(vdata)
-                victims.append(victim)
+            for victim in victims:
+                del self._entries[victim]  # type: ignore[arg-type]
             self._entries[key] = data
-            self._used += size
         if victims:
             self._stats.incr("ram.evictions", len(victims))
             if self.on_evict is not None:
                 for victim in victims:
-                    self.on_evict(victim)
+                    self.on_evict(victim)  # type: ignore[arg-type]
         return True
 
     def has_room(self, size: int) -> bool:
-        return self._used + size <= self._capacity
+        return self.policy.has_room(size)
 
     def discard(self, key: bytes) -> None:
         with self._lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._used -= len(old)
+            if self._entries.pop(key, None) is not None:
+                self.policy.remove(key)
+
+    def mark_stale(self, key: bytes) -> None:
+        with self._lock:
+            self.policy.mark_stale(key)
+
+    def check(self) -> None:
+        with self._lock:
+            self.policy.check()
+            assert set(self._entries) == set(self.policy.keys()), "tier and policy disagree"
+            assert self.policy.used == sum(len(v) for v in self._entries.values())
 
     def close(self) -> None:
         with self._lock:
+            for key in list(self._entries):
+                self.policy.remove(key)
             self._entries.clear()
-            self._used = 0

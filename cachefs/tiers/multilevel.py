@@ -1,7 +1,12 @@
 """RAM in front of NVMe: a read is served RAM -> NVMe -> (caller fetches from the source).
 
-An NVMe hit is promoted into RAM; a fetched block is put into both (NVMe asynchronously).
-Issue #4 replaces the "admit everything, LRU" rule with per-tier policies.
+The rule between the tiers (README, "Cache policy"):
+  - a block fetched from the source is offered to both tiers (NVMe asynchronously), and
+    each tier's own policy decides whether to keep it: the tiers are inclusive;
+  - an NVMe hit is promoted into RAM when the RAM policy admits it (with `keep`: while RAM
+    has room, or holds stale or idle blocks to replace), so RAM holds the blocks that were
+    read first and keep being read;
+  - nothing is demoted: a block leaving RAM is already on NVMe if NVMe admitted it.
 """
 
 from __future__ import annotations
@@ -56,6 +61,12 @@ class MultiLevelCache:
     def contains(self, key: bytes) -> bool:
         """Cached in some tier, judged without I/O (see DiskTier.probably_has)."""
         return key in self.ram or (self.disk is not None and self.disk.probably_has(key))
+
+    def mark_stale(self, key: bytes) -> None:
+        """The block belongs to a version of a file that is gone: evict it first."""
+        self.ram.mark_stale(key)
+        if self.disk is not None:
+            self.disk.mark_stale(key)
 
     def discard(self, key: bytes) -> None:
         self.ram.discard(key)
