@@ -319,7 +319,7 @@ class Core:
     def _fetch(self, key: bytes, fid: FileId, index: int) -> tuple[bytes, str]:
         # Again under ownership: the previous owner may have finished between our RAM
         # miss and taking the key, and its NVMe write may still be queued.
-        data = self.cache.ram.get(key)
+        data = self.cache.ram.peek(key)
         if data is not None:
             return data, "ram"
         data = self.cache.get_disk(key)

@@ -10,9 +10,16 @@ Policies:
   Under random-permutation epochs every sample is read once per epoch, so which samples
   are cached does not matter, only that they stay until they are read again: the hit
   rate is then exactly cache/dataset, where LRU evicts exactly the samples about to be
-  read. To still follow a real change of working set, an entry that has gone unread for
-  IDLE_FACTOR times the mean reuse distance of the tier's hits (counted in accesses), or
-  for longer than ``max_idle`` seconds, becomes a victim for a new block.
+  read. A full tier replaces an entry only when it is *idle*, so that a new working set
+  gets in:
+    - steady: unread for IDLE_FACTOR times the longest recent reuse distance of the
+      tier's hits (distances counted in accesses): in shuffled epochs that is two epochs,
+      so a live sample is never taken for idle;
+    - collapsed: when the tier's hit rate over the last window fell below a quarter of
+      its long-run rate (the job moved to other data), unread for COLLAPSE_FACTOR times
+      the mean reuse distance, about one epoch. The old set then leaves during the new
+      set's first epoch, as fast as its entries pass one epoch unread;
+    - and always: unread for longer than ``max_idle`` seconds.
 - ``lru``: least recently used, always admits.
 
 In every policy, entries marked stale (their source file changed or vanished) go first.
@@ -25,18 +32,20 @@ Invariants, checked after every operation by tests/test_policy.py:
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 
 from cachefs.config import DEFAULT_POLICY
 
-# An entry is idle once unread for this many times the mean reuse distance of hits. In
-# random-permutation epochs a cached sample's reuse distance is at most two epochs, with a
-# mean of one, so a factor above 2 never evicts a live sample there; tools/simulate.py
-# measures the trade-off against how fast a new working set gets in.
-IDLE_FACTOR = 2.5
-# The mean reuse distance is an exponential moving average over this many hits.
-REUSE_WINDOW = 1024
+# Idle thresholds (see the module docstring); tools/simulate.py measures them.
+IDLE_FACTOR = 1.25       # x the longest of the last REUSE_SAMPLES reuse distances
+COLLAPSE_FACTOR = 1.05   # x the mean reuse distance, while the hit rate has collapsed
+REUSE_WINDOW = 1 << 20   # hits in the mean reuse distance's moving average, at most
+REUSE_SAMPLES = 512      # recent reuse distances whose maximum sets the steady threshold
+HIT_WINDOW_MIN = 64      # accesses per hit-rate window: at least this, and enough to expect
+HIT_WINDOW_HITS = 32     # this many hits at the long-run rate (so noise is no collapse)
+COLLAPSE_DROP = 0.25     # collapsed: window hit rate below this share of the long-run rate
+COLLAPSE_MIN_HITS = 16   # ... and the long-run rate predicted at least this many hits
 
 POLICIES = ("keep", "lru")
 
@@ -58,6 +67,15 @@ class Policy:
         self._stale: dict[Hashable, None] = {}  # insertion-ordered set
         self.mean_reuse = 0.0  # EWMA of (tick of hit - tick of the entry's previous access)
         self._hits_seen = 0
+        self._reuses: deque[int] = deque(maxlen=REUSE_SAMPLES)
+        self._max_reuse = 0
+        # hit rate: of the current window, and its long-run average (an EWMA over windows)
+        self._window_hits = 0
+        self._window_accesses = 0
+        self.long_run_hit_rate = 0.0
+        self.collapsed = False
+        self._collapsed_for = 0  # accesses since the collapse began
+        self._window_length = HIT_WINDOW_MIN
 
     # -- queries -----------------------------------------------------------------------
 
@@ -81,21 +99,58 @@ class Policy:
 
     def hit(self, key: Hashable) -> None:
         """A read found `key` in the tier."""
-        self._tick += 1
         entry = self._entries.get(key)
         if entry is None:
+            self.miss()
             return
+        self._access(1)
         size, last, _ = entry
         reuse = self._tick - last
         self._hits_seen += 1
-        weight = 1.0 / min(self._hits_seen, REUSE_WINDOW)
+        # averaged over about four passes over the tier's entries: within one epoch, early
+        # hits have short reuse distances and late ones long, and the mean must not swing
+        weight = 1.0 / min(self._hits_seen, max(HIT_WINDOW_MIN, min(REUSE_WINDOW, 4 * len(self._entries))))
         self.mean_reuse += (reuse - self.mean_reuse) * weight
+        if len(self._reuses) == REUSE_SAMPLES and self._reuses[0] == self._max_reuse:
+            self._reuses.append(reuse)
+            self._max_reuse = max(self._reuses)  # the maximum left the window
+        else:
+            self._reuses.append(reuse)
+            self._max_reuse = max(self._max_reuse, reuse)
         self._entries[key] = (size, self._tick, self._clock())
         self._entries.move_to_end(key)
 
     def miss(self) -> None:
         """A read did not find its key in the tier."""
+        self._access(0)
+
+    def _access(self, hit: int) -> None:
         self._tick += 1
+        self._window_hits += hit
+        self._window_accesses += 1
+        if self._window_accesses >= self._window_length:
+            self._end_window()
+
+    def _end_window(self) -> None:
+        n = self._window_accesses
+        rate = self._window_hits / n
+        expected = self.long_run_hit_rate * n
+        self.collapsed = expected >= COLLAPSE_MIN_HITS and rate < COLLAPSE_DROP * self.long_run_hit_rate
+        if self.collapsed:
+            self._collapsed_for += n
+        else:
+            self._collapsed_for = 0
+        # The long-run rate follows over about two epochs (two mean reuse distances). It
+        # holds still for the first two epochs of a collapse, the time the old set needs to
+        # leave; after that, a new working set that hits less is the new normal.
+        if self._collapsed_for == 0 or self._collapsed_for > 2 * self.mean_reuse:
+            alpha = min(1.0, n / max(2 * self.mean_reuse, 2 * n))
+            self.long_run_hit_rate += (rate - self.long_run_hit_rate) * alpha
+        self._window_hits = self._window_accesses = 0
+        # long enough to expect HIT_WINDOW_HITS hits, short enough to see a collapse
+        # within a quarter of an epoch
+        cap = max(HIT_WINDOW_MIN, int(self.mean_reuse / 4))
+        self._window_length = min(cap, max(HIT_WINDOW_MIN, int(HIT_WINDOW_HITS / max(self.long_run_hit_rate, 1e-3))))
 
     # -- changes -----------------------------------------------------------------------
 
@@ -103,10 +158,10 @@ class Policy:
         """Make room for `key` and record it; returns the victims the tier must drop, or
         None if the block is refused. With evict=False (read-ahead, warming) only free room
         is used: a guess never pushes out cached data."""
+        if key in self._entries:
+            self.remove(key)  # a re-put replaces: refused, the key is not held at all
         if size > self.capacity:
             return None
-        if key in self._entries:
-            self.remove(key)
         victims: list[Hashable] | None = []
         if self.used + size > self.capacity:
             if not evict:
@@ -170,7 +225,9 @@ class Policy:
         """Accesses without a read after which an entry counts as idle (inf: never)."""
         if self._hits_seen == 0:
             return float("inf")
-        return IDLE_FACTOR * max(self.mean_reuse, 1.0)
+        if self.collapsed:
+            return COLLAPSE_FACTOR * max(self.mean_reuse, 1.0)
+        return IDLE_FACTOR * max(self._max_reuse, 1)
 
     def is_idle(self, key: Hashable) -> bool:
         _, last, when = self._entries[key]

@@ -45,6 +45,13 @@ WRITE_BATCH = 32        # blocks per SQLite transaction
 EXACT_MARGIN = 8 << 20  # bytes: closer than this to a limit, every write re-measures
 EXACT_EVERY = 64        # and at least every this many writes
 DB_SLACK = 64 << 10     # room kept for the database's growth between two measurements
+WAL_PAGES = 32          # SQLite checkpoints its write-ahead log at this many pages
+WAL_RESERVE = (WAL_PAGES + 32) * 4096  # the log's largest size: a checkpoint's worth plus a batch
+
+
+def _allocated(size: int) -> int:
+    """Bytes a file of `size` bytes takes on a filesystem with 4 KiB blocks."""
+    return -(-size // 4096) * 4096
 
 
 def disk_key(key: bytes) -> bytes:
@@ -85,6 +92,12 @@ class DiskTier:
             cull_limit=0,
             statistics=False,
             disk=_BlockDisk,
+            # Every block in its own file, and a small write-ahead log: the database then
+            # holds only rows, and what it adds to the tier's footprint stays small and
+            # measurable (the budget counts the log and its index too, see _volume).
+            disk_min_file_size=0,
+            sqlite_wal_autocheckpoint=WAL_PAGES,
+            sqlite_journal_size_limit=WAL_PAGES * 4096,
         )
         self.policy = policy if isinstance(policy, Policy) else make_policy(policy, self._capacity, max_idle)
         self.policy.capacity = 0  # nothing is admitted before the limits are measured
@@ -118,7 +131,20 @@ class DiskTier:
         return self._volume()
 
     def _volume(self) -> int:
-        return int(self._cache.volume())
+        """Everything the tier occupies on the cache disk: value files (counted in whole
+        4 KiB filesystem blocks, as the policy counts them), database pages, and SQLite's
+        write-ahead log and its shared-memory index."""
+        return self.policy.used + self._db_bytes() + self._file_size("-wal") + self._file_size("-shm")
+
+    def _db_bytes(self) -> int:
+        ((pages,),) = self._cache._sql("PRAGMA page_count").fetchall()
+        return int(pages) * int(self._cache._page_size)
+
+    def _file_size(self, suffix: str) -> int:
+        try:
+            return os.stat(os.path.join(self._dir, "cache.db" + suffix)).st_size
+        except OSError:
+            return 0
 
     def _disk_free(self) -> int:
         st = os.statvfs(self._dir)
@@ -136,7 +162,7 @@ class DiskTier:
             self.policy.capacity = 1 << 62  # restored as found; _refresh_limits trims
             for key, size in rows:
                 if isinstance(key, bytes) and len(key) == 16:
-                    self.policy.admit(key, int(size or 0))
+                    self.policy.admit(key, _allocated(int(size or 0)))
                 else:
                     foreign.append(key)
         for key in foreign:  # written by an older cachefs under full keys: not findable now
@@ -196,7 +222,7 @@ class DiskTier:
         return True
 
     def _room_for(self, size: int) -> bool:
-        return self.policy.used + size <= self.policy.capacity
+        return self.policy.used + _allocated(size) <= self.policy.capacity
 
     def has_room(self, size: int) -> bool:
         """Room for `size` more bytes without evicting (an estimate, refreshed on each write)."""
@@ -211,13 +237,13 @@ class DiskTier:
         try:
             self._refresh_limits(len(blob))
             with self._plock:
-                victims = self.policy.admit(dkey, len(blob), evict)
+                victims = self.policy.admit(dkey, _allocated(len(blob)), evict)
             if victims is None:
                 self._stats.incr("disk.no_room" if not evict else "disk.refused")
                 return False
             self._delete(victims)
             self._cache.set(dkey, blob, retry=True)
-            self._free_estimate -= len(blob)
+            self._free_estimate -= _allocated(len(blob))
             self._since_exact += 1
         except Exception as exc:
             with self._plock:
@@ -248,8 +274,9 @@ class DiskTier:
             return
         self._since_exact = 0
         self._measured_at = time.monotonic()
-        volume = self._volume()
-        overhead = max(0, volume - self.policy.used)
+        # The log grows and is checkpointed in cycles: reserve its largest size, so the
+        # limit does not move (and evict) with each cycle.
+        overhead = self._db_bytes() + self._file_size("-shm") + max(self._file_size("-wal"), WAL_RESERVE)
         limit = self._capacity - overhead - DB_SLACK
         if self._min_free:
             free = self._disk_free()

@@ -53,6 +53,10 @@ class MemoryTier:
                 self.policy.miss()
         return data
 
+    def peek(self, key: bytes) -> bytes | None:
+        """The block if held, without counting an access (a re-check, not a read)."""
+        return self._entries.get(key)
+
     def put(self, key: bytes, data: bytes, evict: bool = True) -> bool:
         """Store a block if the policy admits it; with evict=False only into free room
         (read-ahead never pushes out data for a guess)."""

@@ -1,0 +1,108 @@
+"""Hard budgets and the cache policy through a real mount: a dataset larger than the cache."""
+
+import os
+import threading
+
+import pytest
+
+from tests.fuse.conftest import stats
+
+MiB = 1 << 20
+
+
+def tree_size(path):
+    """Bytes of every file under `path` (values, database, write-ahead log, shared memory)."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.stat(os.path.join(dirpath, name)).st_size
+            except FileNotFoundError:
+                pass  # a value file culled while we walked
+    return total
+
+
+class Sampler(threading.Thread):
+    """Peak size of the NVMe tier's directory, sampled every few milliseconds."""
+
+    def __init__(self, path):
+        super().__init__(daemon=True)
+        self.path, self.peak, self.samples = path, 0, 0
+        self.done = threading.Event()
+
+    def run(self):
+        while not self.done.is_set():
+            self.peak = max(self.peak, tree_size(self.path))
+            self.samples += 1
+            self.done.wait(0.005)
+
+    def stop(self):
+        self.done.set()
+        self.join()
+        return self.peak
+
+
+def make_dataset(root, files, size):
+    root.mkdir()
+    data = {}
+    for i in range(files):
+        data[f"f{i:03d}"] = os.urandom(size)
+        (root / f"f{i:03d}").write_bytes(data[f"f{i:03d}"])
+    return data
+
+
+@pytest.mark.parametrize("policy", ["keep", "lru"])
+def test_nvme_tier_never_exceeds_its_budget_while_3x_the_budget_is_read(tmp_path, mounts, policy):
+    data = make_dataset(tmp_path / "src", files=48, size=256 << 10)  # 12 MiB
+    cache = tmp_path / "cache"
+    budget = 4 * MiB
+    mp = mounts.cachefs(str(tmp_path / "src"), cache_dir=cache,
+                        extra=("--ram-size", "1MiB", "--disk-size", str(budget), "--min-free", "0",
+                               "--policy", policy, "--readahead", "off"))
+    sampler = Sampler(cache / "blocks")
+    sampler.start()
+    try:
+        for name, blob in data.items():
+            assert (mp / name).read_bytes() == blob
+    finally:
+        peak = sampler.stop()
+    s = stats(mp)
+    assert sampler.samples > 10
+    assert 2 * MiB < peak <= budget, (peak, budget)
+    assert s["disk"]["used_bytes"] <= budget
+    assert s["ram"]["used_bytes"] <= 1 * MiB
+    if policy == "lru":
+        assert s["disk"]["evictions"] > 0  # it kept writing, and evicted to stay under
+    else:
+        assert s["disk"].get("evictions", 0) == 0  # it filled up, then kept what it had
+        assert s["disk"]["refused"] > 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache between epochs needs root")
+def test_steady_epochs_read_only_the_uncached_share_from_the_source(tmp_path, mounts):
+    """Dataset 2x the NVMe tier, RAM tier small: each epoch after the first reads about half
+    the dataset from the source, the optimum; the kernel's page cache is dropped between
+    epochs so every read reaches cachefs."""
+    data = make_dataset(tmp_path / "src", files=64, size=128 << 10)  # 8 MiB
+    total = sum(len(b) for b in data.values())
+    mp = mounts.cachefs(str(tmp_path / "src"), cache_dir=tmp_path / "cache",
+                        extra=("--ram-size", "512KiB", "--disk-size", "4MiB", "--min-free", "0",
+                               "--readahead", "off"))
+    names = sorted(data)
+    rng = __import__("random").Random(0)
+    per_epoch = []
+    for _ in range(4):
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        before = stats(mp)["source"].get("bytes", 0)
+        rng.shuffle(names)
+        for name in names:
+            assert (mp / name).read_bytes() == data[name]
+        per_epoch.append(stats(mp)["source"].get("bytes", 0) - before)
+    assert per_epoch[0] == total
+    held = stats(mp)["disk"]["entries"] * (128 << 10)  # bytes of the dataset on NVMe
+    assert held >= 0.75 * 4 * MiB  # the rest of the budget: SQLite's pages and log (fixed)
+    expected = total - held
+    for got in per_epoch[2:]:
+        # within 5% of the dataset of the optimum (1 - cache/dataset) x dataset
+        assert abs(got - expected) <= 0.05 * total, (per_epoch, expected)
