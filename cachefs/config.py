@@ -74,7 +74,11 @@ DEFAULT_MIN_FREE_MAX = 10 * GiB
 
 # Bytes of finished blocks that may wait for the background NVMe writer. A full queue
 # drops the write (the block stays in RAM): a miss never waits for the cache disk.
-DISK_WRITE_QUEUE_BYTES = 64 * MiB
+DISK_WRITE_QUEUE_BYTES = 16 * MiB
+
+# malloc arenas for the daemon's ~40 threads. glibc's default (8 per core) lets each thread
+# keep freed blocks in an arena of its own, and RSS then drifts far above the RAM budget.
+MALLOC_ARENAS = 2
 
 # Metadata entries kept in the daemon (stat results and listings). About 250 bytes each.
 METADATA_MAX_ENTRIES = 500_000

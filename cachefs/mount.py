@@ -35,6 +35,7 @@ from cachefs.config import (
     DEFAULT_PREFETCH_WORKERS,
     DEFAULT_RAM_FRACTION,
     DEFAULT_RAM_MAX,
+    MALLOC_ARENAS,
     MAX_READ,
     MOUNT_READY_TIMEOUT,
     ROTATIONAL_PREFETCH_WORKERS,
@@ -384,12 +385,24 @@ def _warm_at_mount(core) -> None:  # type: ignore[no-untyped-def]
                 p["files_total"] - p["files_done"] + p["files_no_room"], p["files_failed"], p["elapsed_s"])
 
 
+def _limit_malloc_arenas() -> None:
+    """Cap glibc's malloc arenas (see config.MALLOC_ARENAS); a no-op on other C libraries."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-8, MALLOC_ARENAS)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
 def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     """Build the stack and serve the mount until it is unmounted (blocks)."""
     from cachefs.control import ControlServer, address_for
     from cachefs.fuse_ops import CachefsOperations, run_fuse
 
     os.umask(0o077)  # every file the daemon creates (cache blocks, logs) is private
+    _limit_malloc_arenas()
     prepare_cache_dir(config)
     core = build_core(config)
     control = ControlServer(address_for(config.mountpoint), control_handlers(core))

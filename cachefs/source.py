@@ -117,7 +117,7 @@ def _pread(fd: int, offset: int, size: int) -> bytes:
 
 
 _buffers: list[mmap.mmap] = []  # aligned O_DIRECT buffers, reused (list ops are atomic)
-_BUFFERS_KEPT = 64
+_BUFFERS_KEPT = 16
 
 
 def _pread_direct(fd: int, offset: int, size: int) -> bytes:

@@ -225,3 +225,36 @@ def test_batched_background_writes_respect_the_budget(disk):
     assert t.get(b"q119") is not None
     assert t._stats.get("disk.writes") == 120
     t.check()
+
+
+@pytest.mark.parametrize("policy", ["keep", "lru"])
+def test_disk_files_match_the_index_under_concurrent_reads(disk, tmp_path, policy):
+    """Lookups racing the writer's uncommitted batches must not drop keys from the index:
+    a dropped key's file would stay on disk, outside the budget's account."""
+    import threading
+
+    cap = 3 << 20
+    t = disk(capacity=cap, policy=policy)
+    keys = [b"key%d" % i for i in range(150)]
+    stop = threading.Event()
+
+    def reader():
+        rng = random.Random()
+        while not stop.is_set():
+            t.get(rng.choice(keys))
+
+    readers = [threading.Thread(target=reader) for _ in range(4)]
+    for r in readers:
+        r.start()
+    try:
+        for key in keys:
+            t.put(key, os.urandom(60_000))
+        t.flush()
+    finally:
+        stop.set()
+        for r in readers:
+            r.join()
+    vals = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "blocks") for f in fs if f.endswith(".val")]
+    assert len(vals) == len(t.policy)
+    assert sum(-(-os.path.getsize(v) // 4096) * 4096 for v in vals) == t.policy.used
+    t.check()

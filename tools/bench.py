@@ -3,6 +3,7 @@
 
     python tools/bench.py epoch [--latency 2ms] [--hdd] [--workers 8] [--epochs 3] [--repeats 3]
     python tools/bench.py seq   [--size 1GiB] [--latency 2ms] [--bandwidth 300MB] [--repeats 3]
+    python tools/bench.py cache [--policies keep,lru] [--disk-ratio 0.5] [--ram-size 32MiB] [--epochs 4]
 
 epoch: an ImageFolder-style dataset (tools/mkdataset.py) behind tools/slowfs.py, read the
 way torchvision + a DataLoader with N workers do (tools/epoch.py: seeded shuffle per epoch,
@@ -16,6 +17,13 @@ over repeats), the daemon's peak RSS and cache-dir size (psutil), and writes JSO
 
 seq: one large file read cold from start to end in 128 KiB reads (what `cat` does), direct
 and through cachefs; MB/s, share of the bandwidth cap, and the source requests it took.
+
+cache: a dataset larger than the cache (the NVMe tier --disk-ratio of it, the RAM tier
+smaller still), read for several shuffled epochs through cachefs over slowfs, once per
+policy, with the page cache dropped before each epoch so that every read reaches cachefs.
+Per epoch: bytes read from the store against the optimum (1 - cache/dataset) x dataset.
+Throughout: the daemon's RSS and the cache dir's disk usage (du) sampled 5 times a second,
+against the budgets.
 """
 
 from __future__ import annotations
@@ -51,12 +59,15 @@ def drop_caches() -> bool:
 
 
 class Sampler:
-    """Peak RSS of a process (5 samples a second) and peak size of a directory (1 a second)."""
+    """Peak RSS of a process (5 samples a second) and peak size of a directory (1 a second,
+    or with every RSS sample when du_every=1)."""
 
-    def __init__(self, pid: int | None, directory: str | None):
+    def __init__(self, pid: int | None, directory: str | None, du_every: int = 5):
         self.pid, self.directory = pid, directory
         self.rss = 0
         self.disk = 0
+        self.samples = 0
+        self.du_every = du_every
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -67,8 +78,9 @@ class Sampler:
             try:
                 if proc is not None:
                     self.rss = max(self.rss, proc.memory_info().rss)
-                if self.directory and tick % 5 == 0:  # walking the cache dir costs CPU: once a second
+                if self.directory and tick % self.du_every == 0:  # walking the cache dir costs CPU
                     self.disk = max(self.disk, du(self.directory))
+                self.samples += 1
             except (psutil.Error, OSError):
                 pass
             tick += 1
@@ -226,6 +238,80 @@ def cmd_seq(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    if not drop_caches():
+        raise SystemExit("bench cache: needs root, to drop the page cache before each epoch")
+    work = args.workdir or tempfile.mkdtemp(prefix="cachefs-bench-cache-")
+    data = os.path.join(work, "dataset")
+    if not os.path.isdir(data):
+        print(f"making {args.classes * args.per_class} JPEGs in {data}", file=sys.stderr)
+        build(data, args.classes, args.per_class, seed=0, mean_kb=110.0, progress=sys.stderr.isatty())
+    rel = [os.path.relpath(p, data) for p in list_imagefolder(data)]
+    total = sum(os.path.getsize(os.path.join(data, r)) for r in rel)
+    disk_budget = int(args.disk_ratio * total)
+    ram_budget = parse_size(args.ram_size)
+    # The tiers are inclusive (a fetched block is offered to both), so the cache holds
+    # between the NVMe budget (every RAM block also on NVMe) and both budgets (none is).
+    optimum = total - disk_budget
+    optimum_both = max(0, total - disk_budget - ram_budget)
+    report: dict[str, dict] = {}
+    try:
+        with slowfs(data, os.path.join(work, "slow"), latency=args.latency) as slow:
+            for policy in args.policies.split(","):
+                print(f"policy {policy}", file=sys.stderr)
+                mp, cache = os.path.join(work, "mnt"), os.path.join(work, f"cache-{policy}")
+                shutil.rmtree(cache, ignore_errors=True)
+                with cachefs(slow, mp, cache, ram_size=str(ram_budget), disk_size=str(disk_budget),
+                             extra=["--policy", policy, "--readahead", "off", "--min-free", "0"]):
+                    pid = cachefs_stats(mp)["info"]["pid"]
+                    epochs = []
+                    with Sampler(pid, os.path.join(cache, "blocks"), du_every=1) as sampler:
+                        for epoch in range(1, args.epochs + 1):
+                            drop_caches()
+                            before = read_stats(slow).get("bytes", 0)
+                            r = run_epochs(mp, args.workers, 1, seed=epoch,
+                                           paths=[os.path.join(mp, x) for x in rel], quiet=True)[0]
+                            r["source_bytes"] = read_stats(slow).get("bytes", 0) - before
+                            epochs.append(r)
+                    s = cachefs_stats(mp)
+                report[policy] = {"epochs": epochs, "peak_rss": sampler.rss, "peak_cache_dir": sampler.disk,
+                                  "samples": sampler.samples,
+                                  "ram": {k: s["ram"].get(k, 0) for k in ("hits", "evictions", "used_bytes")},
+                                  "disk": {k: s["disk"].get(k, 0) for k in
+                                           ("hits", "writes", "dropped_writes", "refused", "evictions", "used_bytes")}}
+    finally:
+        if not args.workdir and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    print(f"\n{len(rel)} JPEGs, {format_size(total)}; NVMe tier {format_size(disk_budget)} "
+          f"({args.disk_ratio:.0%} of the dataset), RAM tier {format_size(ram_budget)}; store "
+          f"{args.latency}/request, {args.workers} workers, page cache dropped before each epoch")
+    print(f"optimum per epoch after the first, (1 - cache/dataset) x dataset: {format_size(optimum)} with "
+          f"cache = the NVMe budget, {format_size(optimum_both)} with cache = both budgets "
+          "(differences are shares of the dataset)")
+    print(f"{'policy':<8}{'epoch':>6}{'files/s':>9}{'from store':>13}{'vs NVMe opt':>13}{'vs both opt':>13}")
+    for policy, x in report.items():
+        for i, r in enumerate(x["epochs"], 1):
+            cells = [f"{(r['source_bytes'] - o) / total:+.1%}" if i > 1 else "" for o in (optimum, optimum_both)]
+            print(f"{policy:<8}{i:>6}{r['files_per_s']:>9.0f}{format_size(r['source_bytes']):>13}"
+                  f"{cells[0]:>13}{cells[1]:>13}")
+    for policy, x in report.items():
+        d = x["disk"]
+        print(f"{policy:<8}NVMe: {d['writes']} writes, {d['dropped_writes']} dropped (writer queue full), "
+              f"{d['refused']} refused by the policy, {d['evictions']} evictions; "
+              f"RAM: {x['ram']['evictions']} evictions")
+    print("\nbudgets (sampled 5 times a second, "
+          + ", ".join(f"{p}: {x['samples']} samples" for p, x in report.items()) + ")")
+    for policy, x in report.items():
+        print(f"{policy:<8}peak RSS {format_size(x['peak_rss'])} = RAM budget + "
+              f"{format_size(x['peak_rss'] - ram_budget)}; peak cache dir {format_size(x['peak_cache_dir'])} "
+              f"of {format_size(disk_budget)} ({'within' if x['peak_cache_dir'] <= disk_budget else 'OVER'})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "dataset_bytes": total, "disk_budget": disk_budget,
+                       "ram_budget": ram_budget, "optimum": optimum, "policies": report}, f, indent=2)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
@@ -251,8 +337,20 @@ def main(argv: list[str] | None = None) -> int:
     sq = sub.choices["seq"]
     sq.add_argument("--size", default="1GiB")
     sq.add_argument("--readahead-mode", default="dir")
+    c = sub.add_parser("cache")
+    c.add_argument("--policies", default="keep,lru", help="comma-separated, one mount each")
+    c.add_argument("--disk-ratio", type=float, default=0.5, help="NVMe budget / dataset size")
+    c.add_argument("--ram-size", default="32MiB")
+    c.add_argument("--epochs", type=int, default=4)
+    c.add_argument("--latency", default="0.5ms")
+    c.add_argument("--workers", type=int, default=8)
+    c.add_argument("--classes", type=int, default=10)
+    c.add_argument("--per-class", type=int, default=200)
+    c.add_argument("--workdir", help="keep the dataset here between runs")
+    c.add_argument("--keep", action="store_true")
+    c.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
-    return cmd_epoch(args) if args.mode == "epoch" else cmd_seq(args)
+    return {"epoch": cmd_epoch, "seq": cmd_seq, "cache": cmd_cache}[args.mode](args)
 
 
 if __name__ == "__main__":
