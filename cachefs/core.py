@@ -278,21 +278,23 @@ class Core:
 
     def _block(self, fid: FileId, index: int) -> tuple[bytes, str]:
         key = block_key(self.namespace, fid, index, self.block_size)
-        if self._ahead:
-            self._note_used(key)
         data = self.cache.get_ram(key)
         if data is not None:
-            return data, "ram"
-        # Single flight: concurrent readers of one missing block (the kernel's parallel
-        # read-ahead, several DataLoader workers) share one NVMe lookup or source fetch.
-        pending, owner = self._claim(key)
-        if not owner:
-            self.stats.incr("reads.inflight_waits")
-            result = pending.result()
-            if self._ahead:
-                self._note_used(key)  # it was a read-ahead fetch this reader caught up with
-            return result
-        return self._run_owned(key, pending, lambda: self._fetch(key, fid, index))
+            result = data, "ram"
+        else:
+            # Single flight: concurrent readers of one missing block (the kernel's parallel
+            # read-ahead, several DataLoader workers) share one NVMe lookup or source fetch.
+            pending, owner = self._claim(key)
+            if owner:
+                result = self._run_owned(key, pending, lambda: self._fetch(key, fid, index))
+            else:
+                self.stats.incr("reads.inflight_waits")
+                result = pending.result()
+        # After the data is in hand, whichever way it came: read-ahead marks a block before
+        # any reader can see it, so a block it fetched is counted used exactly once.
+        if self._ahead:
+            self._note_used(key)
+        return result
 
     def _claim(self, key: bytes) -> tuple[Future, bool]:
         """The in-flight fetch of `key`, and whether the caller now owns (must run) it."""
@@ -388,10 +390,14 @@ class Core:
         def fetch() -> tuple[bytes, str]:
             nonlocal admitted
             data = self._fetch_source(fid, index)
+            # Marked before the block is visible in a tier, so a reader that finds it there
+            # counts a use; unmarked if no tier took it (waiters only wake after this).
+            with self._ahead_lock:
+                self._ahead.add(key)
             admitted = self.cache.put(key, data, evict=False)
-            if admitted:  # before waking waiters, so a reader waiting on it counts as a use
+            if not admitted:
                 with self._ahead_lock:
-                    self._ahead.add(key)
+                    self._ahead.discard(key)
             return data, "source"
 
         data, _ = self._run_owned(key, pending, fetch)

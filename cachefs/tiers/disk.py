@@ -150,6 +150,7 @@ class DiskTier:
         self._stats.gauge("disk.used_bytes", self._volume)
         self._stats.gauge("disk.capacity_bytes", lambda: self._capacity)
         self._stats.gauge("disk.entries", lambda: len(self.policy))
+        self._stats.gauge("disk.queued_bytes", lambda: self._queued_bytes)
 
     @property
     def directory(self) -> str:
