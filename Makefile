@@ -38,6 +38,7 @@ bench: setup
 	$(PY) tools/bench.py epoch
 	$(PY) tools/bench.py epoch --hdd --latency 0.2ms --bandwidth 150MB
 	$(PY) tools/bench.py seq
+	$(PY) tools/bench.py cache
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

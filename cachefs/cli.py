@@ -153,6 +153,7 @@ def format_stats(snap: dict[str, Any]) -> str:
     """The human table of `cachefs stats`."""
     info, ram, disk, src = snap.get("info", {}), snap.get("ram", {}), snap.get("disk", {}), snap.get("source", {})
     fuse = snap.get("fuse", {})
+    policy = info.get("policy") or {}
     g = lambda d, k: d.get(k) or 0
     lines = [
         f"cachefs {info.get('version', '?')}  pid {info.get('pid', '?')}  up {snap.get('uptime_s', 0):.0f}s",
@@ -173,8 +174,11 @@ def format_stats(snap: dict[str, Any]) -> str:
         f"source     {g(src, 'read_range')} reads, {format_size(g(src, 'bytes'))} "
         f"({format_size(g(src, 'served_bytes'))} of it read by users); "
         f"{g(src, 'stat')} stats, {g(src, 'listdir')} listings; {g(src, 'errors')} errors",
-        f"ram        {g(ram, 'evictions')} evictions, {g(ram, 'promotions')} promotions from disk",
+        f"policy     ram {policy.get('ram', '?')}, disk {policy.get('disk', '?')}",
+        f"ram        {g(ram, 'evictions')} evictions, {g(ram, 'refused')} refused (policy), "
+        f"{g(ram, 'promotions')} promotions from disk",
         f"disk       {g(disk, 'writes')} writes, {g(disk, 'evictions')} evictions, "
+        f"{g(disk, 'refused')} refused (policy), {g(disk, 'dropped_writes')} dropped (queue full), "
         f"{g(disk, 'checksum_failures')} checksum failures, {g(disk, 'errors')} errors",
         f"requests   {g(fuse, 'read')} reads, {g(fuse, 'getattr')} getattrs, {g(fuse, 'readdir')} readdirs, "
         f"{g(fuse, 'open')} opens reached the daemon",

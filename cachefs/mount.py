@@ -338,6 +338,7 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
     source = LocalSource(config.source)
     assert config.ram_size is not None and config.disk_size is not None
     policies = parse_policy_spec(config.policy)
+    stats.set_info(policy=policies, max_idle_s=config.max_idle, min_free=config.min_free)
     max_idle = config.max_idle or None
     ram = MemoryTier(config.ram_size, stats, policy=policies["ram"], max_idle=max_idle)
     disk = (DiskTier(os.path.join(config.cache_dir, "blocks"), config.disk_size, stats,

@@ -18,7 +18,8 @@ Policies:
     - collapsed: when the tier's hit rate over the last window fell below a quarter of
       its long-run rate (the job moved to other data), unread for COLLAPSE_FACTOR times
       the mean reuse distance, about one epoch. The old set then leaves during the new
-      set's first epoch, as fast as its entries pass one epoch unread;
+      set's first epoch, as fast as its entries pass one epoch unread; entries not read
+      since the collapse began stay under this threshold after it ends;
     - and always: unread for longer than ``max_idle`` seconds.
 - ``lru``: least recently used, always admits.
 
@@ -75,6 +76,7 @@ class Policy:
         self.long_run_hit_rate = 0.0
         self.collapsed = False
         self._collapsed_for = 0  # accesses since the collapse began
+        self._collapse_tick = -1  # tick at which the latest collapse began
         self._window_length = HIT_WINDOW_MIN
 
     # -- queries -----------------------------------------------------------------------
@@ -137,6 +139,8 @@ class Policy:
         expected = self.long_run_hit_rate * n
         self.collapsed = expected >= COLLAPSE_MIN_HITS and rate < COLLAPSE_DROP * self.long_run_hit_rate
         if self.collapsed:
+            if self._collapsed_for == 0:
+                self._collapse_tick = self._tick - n
             self._collapsed_for += n
         else:
             self._collapsed_for = 0
@@ -221,19 +225,28 @@ class Policy:
             freed += self._entries[key][0]
         return victims, freed
 
-    def idle_after(self) -> float:
-        """Accesses without a read after which an entry counts as idle (inf: never)."""
+    def idle_after(self, last: int | None = None) -> float:
+        """Accesses without a read after which an entry last read at tick `last` counts as
+        idle (inf: never). An entry not read since the latest collapse began belongs to the
+        old working set: it is judged by the collapse threshold even after the new set's
+        hits ended the collapse, so the old set's last entries leave within an epoch."""
         if self._hits_seen == 0:
             return float("inf")
-        if self.collapsed:
-            return COLLAPSE_FACTOR * max(self.mean_reuse, 1.0)
-        return IDLE_FACTOR * max(self._max_reuse, 1)
+        steady = IDLE_FACTOR * max(self._max_reuse, 1)
+        if self.collapsed or (last is not None and last < self._collapse_tick):
+            # Never below one reuse distance: sequential epochs "collapse" every epoch while
+            # they read past the cached share, and an entry read at the start of an epoch
+            # is read again one epoch later; any shorter threshold would evict it first.
+            # Never above the steady threshold, so that older entries are idle first and
+            # entries, kept in access order, stay in idle order.
+            return min(COLLAPSE_FACTOR * max(self.mean_reuse, 1.0), steady)
+        return steady
 
     def is_idle(self, key: Hashable) -> bool:
         _, last, when = self._entries[key]
         if self.max_idle is not None and self._clock() - when > self.max_idle:
             return True
-        return self._tick - last > self.idle_after()
+        return self._tick - last > self.idle_after(last)
 
     def check(self) -> None:
         """Assert the invariants (tests call this after every operation)."""

@@ -142,7 +142,7 @@ def test_keep_follows_a_change_of_working_set():
     assert before[-1] == 0.5
     assert after[0] == 0
     assert after[1] >= 0.85 * 0.5, after  # most of B is in after one epoch
-    assert after[3] == 0.5, after          # all of it, and the optimum, by the fourth
+    assert after[2] == 0.5, after          # all of it, and the optimum, by the third
 
 
 def test_policy_spec_parsing():

@@ -23,8 +23,10 @@ def test_memory_tier_keep_policy_refuses_instead_of_evicting():
     t = MemoryTier(100, stats)  # the default policy: keep what you have
     assert t.put(b"a", b"x" * 40) and t.put(b"b", b"y" * 40)
     assert not t.put(b"c", b"z" * 40)  # full, nothing idle: c is not admitted
+    assert not t.put(b"d", b"w" * 40, evict=False)  # a guess: no room
     assert t.get(b"a") and t.get(b"b") and t.get(b"c") is None
     assert stats.get("ram.evictions") == 0
+    assert stats.get("ram.refused") == 1 and stats.get("ram.no_room") == 1
     check_memory_invariants(t)
 
 
@@ -258,3 +260,28 @@ def test_disk_files_match_the_index_under_concurrent_reads(disk, tmp_path, polic
     assert len(vals) == len(t.policy)
     assert sum(-(-os.path.getsize(v) // 4096) * 4096 for v in vals) == t.policy.used
     t.check()
+
+
+def test_orphaned_value_files_are_removed_at_start_and_young_ones_kept(disk, tmp_path):
+    """A kill -9 between a value file's write and its row's commit leaves a file no row
+    names; the next start deletes it (the budget could not count it), but not a file young
+    enough to belong to another daemon's batch in flight."""
+    t = disk()
+    t.put_now(b"kept", b"k" * 50_000)
+    t.close()
+    blocks = tmp_path / "blocks"
+    old_orphan = blocks / "3" / ("0" * 31 + ".val")
+    young_orphan = blocks / "5" / ("1" * 31 + ".val")
+    for f in (old_orphan, young_orphan):
+        f.parent.mkdir(exist_ok=True)
+        f.write_bytes(os.urandom(40_000))
+    past = time.time() - 3600
+    os.utime(old_orphan, (past, past))
+    t2 = disk()
+    t2.flush()  # the writer has finished start-up once it has written
+    t2.put_now(b"other", b"o" * 1000)
+    assert not old_orphan.exists()
+    assert young_orphan.exists()
+    assert t2.get(b"kept") == b"k" * 50_000
+    vals = [f for f in blocks.rglob("*.val") if f != young_orphan]
+    assert len(vals) == len(t2.policy) == 2

@@ -33,7 +33,7 @@ import diskcache
 import xxhash
 
 from cachefs.checksum import HEADER_SIZE, decode_block, encode_block
-from cachefs.config import DISK_WRITE_QUEUE_BYTES
+from cachefs.config import DISK_WRITE_QUEUE_BYTES, format_size
 from cachefs.errors import ChecksumError
 from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
 from cachefs.stats import Stats
@@ -97,6 +97,7 @@ class _BlockDisk(diskcache.Disk):
 
 
 SUBDIRS = 16
+ORPHAN_AGE = 60.0  # seconds: an unindexed value file older than this is an orphan
 DIR_ENTRY_BYTES = 48  # an ext4 directory entry for a 31-character name, rounded up
 
 
@@ -214,10 +215,40 @@ class DiskTier:
             for entry in it:
                 if entry.is_dir(follow_symlinks=False) and len(entry.name) == 2:
                     shutil.rmtree(entry.path, ignore_errors=True)  # that format's directories
+        self._remove_orphans()
         self._dirs_at_start = sum(os.stat(os.path.join(self._dir, d)).st_blocks * 512
                                   for d in [".", *os.listdir(self._dir)]
                                   if os.path.isdir(os.path.join(self._dir, d)))
         log.info("NVMe tier index: %d blocks", len(rows) - len(foreign))
+
+    def _remove_orphans(self) -> None:
+        """Delete value files that no index row names: a `kill -9` between writing a block's
+        file and committing its row leaves one, and the budget could not count it. Files
+        younger than ORPHAN_AGE are left alone: another daemon sharing the cache dir may be
+        about to commit their rows."""
+        named = {name for (name,) in self._cache._sql(
+            "SELECT filename FROM Cache WHERE filename IS NOT NULL").fetchall()}
+        cutoff = time.time() - ORPHAN_AGE
+        removed = freed = 0
+        for sub in "0123456789abcdef"[:SUBDIRS]:
+            try:
+                entries = list(os.scandir(os.path.join(self._dir, sub)))
+            except FileNotFoundError:
+                continue
+            for entry in entries:
+                if not entry.name.endswith(".val") or f"{sub}/{entry.name}" in named:
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_mtime < cutoff:
+                        os.unlink(entry.path)
+                        removed += 1
+                        freed += st.st_blocks * 512
+                except FileNotFoundError:
+                    pass
+        if removed:
+            log.warning("NVMe tier: removed %d orphaned block files (%s) left by an unclean stop",
+                        removed, format_size(freed))
 
     # -- reads -----------------------------------------------------------------------
 

@@ -65,10 +65,13 @@ class MemoryTier:
             if victims is None:
                 if key not in self.policy:  # a refused re-put also dropped the old copy
                     self._entries.pop(key, None)
-                return False
-            for victim in victims:
-                del self._entries[victim]  # type: ignore[arg-type]
-            self._entries[key] = data
+            else:
+                for victim in victims:
+                    del self._entries[victim]  # type: ignore[arg-type]
+                self._entries[key] = data
+        if victims is None:
+            self._stats.incr("ram.refused" if evict else "ram.no_room")
+            return False
         if victims:
             self._stats.incr("ram.evictions", len(victims))
             if self.on_evict is not None:

@@ -87,6 +87,8 @@ def test_nvme_tier_never_exceeds_its_budget_while_3x_the_budget_is_read(tmp_path
     else:
         assert s["disk"].get("evictions", 0) == 0  # it filled up, then kept what it had
         assert s["disk"]["refused"] > 0
+        assert s["ram"]["refused"] > 0
+    assert s["info"]["policy"] == {"ram": policy, "disk": policy}
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache between epochs needs root")
