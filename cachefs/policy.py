@@ -47,6 +47,9 @@ HIT_WINDOW_MIN = 64      # accesses per hit-rate window: at least this, and enou
 HIT_WINDOW_HITS = 32     # this many hits at the long-run rate (so noise is no collapse)
 COLLAPSE_DROP = 0.25     # collapsed: window hit rate below this share of the long-run rate
 COLLAPSE_MIN_HITS = 16   # ... and the long-run rate predicted at least this many hits
+REUSE_MIN = 64           # a hit counts as a reuse only after this many accesses, and
+REUSE_MIN_SHARE = 0.5    # this many per entry held: shorter is a re-read within one pass
+                         # (a block read in pieces, two readers at once), not an epoch's
 
 POLICIES = ("keep", "lru")
 
@@ -66,6 +69,7 @@ class Policy:
         # key -> (size, tick of last access, clock time of last access), oldest access first
         self._entries: OrderedDict[Hashable, tuple[int, int, float]] = OrderedDict()
         self._stale: dict[Hashable, None] = {}  # insertion-ordered set
+        self._unread: set[Hashable] = set()  # admitted by a guess (read-ahead), not read yet
         self.mean_reuse = 0.0  # EWMA of (tick of hit - tick of the entry's previous access)
         self._hits_seen = 0
         self._reuses: deque[int] = deque(maxlen=REUSE_SAMPLES)
@@ -108,6 +112,13 @@ class Policy:
         self._access(1)
         size, last, _ = entry
         reuse = self._tick - last
+        self._entries[key] = (size, self._tick, self._clock())
+        self._entries.move_to_end(key)
+        if key in self._unread:
+            self._unread.discard(key)  # fetched ahead, now read: a first read, no reuse
+            return
+        if reuse < max(REUSE_MIN, REUSE_MIN_SHARE * len(self._entries)):
+            return  # a re-read within one pass (a block read in pieces, two readers at once)
         self._hits_seen += 1
         # averaged over about four passes over the tier's entries: within one epoch, early
         # hits have short reuse distances and late ones long, and the mean must not swing
@@ -119,8 +130,6 @@ class Policy:
         else:
             self._reuses.append(reuse)
             self._max_reuse = max(self._max_reuse, reuse)
-        self._entries[key] = (size, self._tick, self._clock())
-        self._entries.move_to_end(key)
 
     def miss(self) -> None:
         """A read did not find its key in the tier."""
@@ -177,6 +186,8 @@ class Policy:
                 self.remove(victim)
         self._entries[key] = (size, self._tick, self._clock())
         self.used += size
+        if not evict:
+            self._unread.add(key)
         return victims
 
     def remove(self, key: Hashable) -> bool:
@@ -185,6 +196,7 @@ class Policy:
             return False
         self.used -= entry[0]
         self._stale.pop(key, None)
+        self._unread.discard(key)
         return True
 
     def mark_stale(self, key: Hashable) -> None:
@@ -253,6 +265,7 @@ class Policy:
         assert self.used == sum(e[0] for e in self._entries.values()), "byte count drifted"
         assert 0 <= self.used <= self.capacity, f"used {self.used} > capacity {self.capacity}"
         assert all(k in self._entries for k in self._stale), "a stale key is not an entry"
+        assert all(k in self._entries for k in self._unread), "an unread key is not an entry"
 
 
 class LRUPolicy(Policy):

@@ -216,3 +216,24 @@ def test_simulate_tool_replays_through_the_core(tmp_path):
                for p in ("keep", "lru") for r in (0.2, 0.5)]
     simulate.plot(results, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 10_000
+
+
+def test_keep_never_evicts_in_a_first_pass_with_rereads_and_read_ahead():
+    """A first epoch over more data than fits: blocks read in several pieces, and blocks
+    fetched ahead then read, are not epoch-scale reuses; they must not make the tier take
+    everything older for idle (that would turn keep into LRU)."""
+    p = KeepPolicy(100)
+    for i in range(1000):
+        if i % 2:
+            p.admit(("ahead", i), 1, evict=False)  # read-ahead: only into free room
+            p.hit(("ahead", i))
+        else:
+            if ("f", i) not in p:
+                p.miss()
+                p.admit(("f", i), 1)
+            p.hit(("f", i))  # the same block, a second read request
+            p.hit(("f", i))
+        p.check()
+    assert len(p) == 100
+    kept = p.keys()
+    assert all(index < 200 for _, index in kept)  # the first blocks admitted, kept
