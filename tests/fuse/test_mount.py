@@ -257,9 +257,14 @@ def test_second_epoch_stays_in_the_kernel(tmp_path, mounts):
     epoch()
     second = stats(mp)["fuse"]
     calls = {k: second.get(k, 0) - first.get(k, 0) for k in ("read", "getattr", "readdir", "open")}
-    # No file costs a single call. Listings remain (libfuse's high-level API does not pass
-    # the kernel's readdir-cache flag through): one or two requests per directory (5 here).
-    assert (calls["read"], calls["getattr"], calls["open"]) == (0, 0, 0), calls
+    # No file costs a getattr or an open. Listings remain (libfuse's high-level API does not
+    # pass the kernel's readdir-cache flag through): one or two requests per directory (5
+    # here). Reads: none in most runs, but in about one run in ten the kernel has not kept
+    # the partial last page of a few files after the first epoch (seen with fincore: 4 of 5
+    # pages resident), and those pages are read again. Without the kernel's page cache
+    # across opens it would be all 200 files.
+    assert (calls["getattr"], calls["open"]) == (0, 0), calls
+    assert calls["read"] <= 10, calls
     assert 5 <= calls["readdir"] <= 10, calls
     assert second.get("open", 0) <= 1   # zero-message opens: the first open said ENOSYS, then no more
 
