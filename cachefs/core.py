@@ -455,6 +455,7 @@ class Core:
 
     def _source_call(self, op: str, fn: Callable, *args):  # type: ignore[type-arg]
         self.stats.incr(f"source.{op}")
+        start = time.monotonic()
         try:
             return fn(*args)
         except FileNotFoundError:
@@ -464,6 +465,8 @@ class Core:
             if not isinstance(exc, SourceChanged) and exc.errno not in _ANSWERS:
                 self.stats.incr("source.errors")
             raise
+        finally:
+            self.stats.observe(f"source.{op}", time.monotonic() - start)
 
     def close(self) -> None:
         if self.prefetcher is not None:

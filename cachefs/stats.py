@@ -1,12 +1,14 @@
-"""One stats object: counters and gauges, read as a snapshot of plain data.
+"""One stats object: counters, gauges and latency histograms, read as a snapshot of plain data.
 
-Every component increments named counters ("ram.hits", "source.bytes") and registers
-gauges (a callable read at snapshot time, for occupancy and capacity). The CLI, the tests
-and later a Prometheus endpoint all read `snapshot()`; nothing else is exported.
+Every component increments named counters ("ram.hits", "source.bytes"), registers gauges
+(a callable read at snapshot time, for occupancy and capacity) and observes durations
+("source.read_range" seconds) into histograms with fixed buckets. The CLI, the tests and a
+Prometheus endpoint all read `snapshot()`; nothing else is exported.
 """
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
@@ -15,7 +17,59 @@ from collections.abc import Callable
 from typing import Any
 
 # Version of the snapshot's layout, shown as "schema" in `cachefs stats --json`.
-SCHEMA_VERSION = 1
+# 2: adds "latency" (histograms, with p50/p99 estimates).
+SCHEMA_VERSION = 2
+
+# Upper bounds (seconds) of the latency buckets: 50 us to 30 s, about 2.2 per decade
+# step, fine enough for a p99 within a bucket's width (the last bucket is +Inf).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
+    0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
+)
+
+
+class Histogram:
+    """Counts of observations per bucket (cumulative only when exported), their sum."""
+
+    __slots__ = ("counts", "sum", "count")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.sum += seconds
+        self.count += 1
+
+    def quantile(self, q: float) -> float | None:
+        """The q-quantile, interpolated linearly inside its bucket (as Prometheus's
+        histogram_quantile does); None without observations."""
+        if self.count == 0:
+            return None
+        rank = q * self.count
+        seen = 0
+        for i, n in enumerate(self.counts):
+            if n and seen + n >= rank:
+                lo = LATENCY_BUCKETS[i - 1] if i > 0 else 0.0
+                if i == len(LATENCY_BUCKETS):
+                    return lo  # above the last bound: report the bound
+                hi = LATENCY_BUCKETS[i]
+                return lo + (hi - lo) * (rank - seen) / n
+            seen += n
+        return LATENCY_BUCKETS[-1]
+
+    def export(self) -> dict[str, Any]:
+        p50, p99 = self.quantile(0.5), self.quantile(0.99)
+        return {
+            "count": self.count,
+            "sum_s": round(self.sum, 6),
+            "le": list(LATENCY_BUCKETS),
+            "buckets": list(self.counts),  # per bucket, not cumulative; the last is +Inf
+            "p50_s": None if p50 is None else round(p50, 6),
+            "p99_s": None if p99 is None else round(p99, 6),
+        }
 
 
 class Stats:
@@ -24,6 +78,7 @@ class Stats:
         self._counters: dict[str, int] = defaultdict(int)
         self._gauges: dict[str, Callable[[], Any]] = {}
         self._info: dict[str, Any] = {}
+        self._histograms: dict[str, Histogram] = {}
         self._clock = clock
         self._started = clock()
 
@@ -42,6 +97,14 @@ class Stats:
         with self._lock:
             return self._counters.get(name, 0)
 
+    def observe(self, name: str, seconds: float) -> None:
+        """Record one duration in the histogram `name` (created on first use)."""
+        with self._lock:
+            h = self._histograms.get(name)
+            if h is None:
+                h = self._histograms[name] = Histogram()
+            h.observe(seconds)
+
     def gauge(self, name: str, fn: Callable[[], Any]) -> None:
         self._gauges[name] = fn
 
@@ -52,6 +115,7 @@ class Stats:
         """Plain nested data: {"schema", "info", "uptime_s", <section>: {<name>: value}}."""
         with self._lock:
             flat: dict[str, Any] = dict(self._counters)
+            latency = {name: h.export() for name, h in sorted(self._histograms.items())}
         for name, fn in self._gauges.items():
             try:
                 flat[name] = fn()
@@ -61,6 +125,7 @@ class Stats:
             "schema": SCHEMA_VERSION,
             "info": dict(self._info, pid=os.getpid()),
             "uptime_s": round(self._clock() - self._started, 3),
+            "latency": latency,
         }
         for name, value in sorted(flat.items()):
             section, _, key = name.partition(".")

@@ -110,7 +110,11 @@ def test_format_stats_shows_every_tier_and_the_source():
             "ram": {"hits": 90, "misses": 10, "served_bytes": 1 << 30, "used_bytes": 1 << 20,
                     "capacity_bytes": 1 << 30, "entries": 3},
             "disk": {"hits": 5, "misses": 5, "checksum_failures": 2},
-            "source": {"read_range": 5, "bytes": 5 << 20}, "fuse": {"read": 100}}
+            "source": {"read_range": 5, "bytes": 5 << 20}, "fuse": {"read": 100},
+            "prefetch": {"blocks": 40, "used": 31, "wasted": 2, "unused": 7},
+            "latency": {"source.read_range": {"count": 5, "p50_s": 0.0021, "p99_s": 0.0185}}}
     text = format_stats(snap)
+    assert "read p50 2.10 ms, p99 18 ms" in text and "stat none yet" in text
+    assert "40 blocks fetched" in text and "31 used, 2 evicted unread, 7 waiting" in text
     assert "90.0%" in text and "50.0%" in text
     assert "1.0 GiB" in text and "2 checksum failures" in text and "/nfs/x" in text

@@ -1,7 +1,7 @@
 import json
 import threading
 
-from cachefs.stats import SCHEMA_VERSION, Stats
+from cachefs.stats import LATENCY_BUCKETS, SCHEMA_VERSION, Histogram, Stats
 from tests.conftest import FakeClock
 
 
@@ -41,3 +41,35 @@ def test_no_increment_is_lost_across_threads():
     for t in threads:
         t.join()
     assert s.get("x.n") == 80_000
+
+
+def test_latency_histogram_counts_every_observation_and_estimates_quantiles():
+    s = Stats()
+    for _ in range(98):
+        s.observe("source.read_range", 0.003)   # in the (2 ms, 5 ms] bucket
+    s.observe("source.read_range", 0.4)         # (0.2 s, 0.5 s]
+    s.observe("source.read_range", 60.0)        # beyond the last bound
+    h = s.snapshot()["latency"]["source.read_range"]
+    assert h["count"] == 100 and sum(h["buckets"]) == 100
+    assert len(h["buckets"]) == len(LATENCY_BUCKETS) + 1 and h["buckets"][-1] == 1
+    assert h["sum_s"] == round(98 * 0.003 + 0.4 + 60.0, 6)
+    assert 0.002 < h["p50_s"] <= 0.005
+    assert 0.2 < h["p99_s"] <= 0.5
+
+
+def test_quantiles_of_an_empty_histogram_are_none_and_the_snapshot_stays_json():
+    h = Histogram()
+    assert h.quantile(0.5) is None
+    assert h.export()["p99_s"] is None
+    s = Stats()
+    s.observe("source.stat", 0.0001)
+    snap = s.snapshot()
+    assert json.loads(json.dumps(snap)) == snap
+
+
+def test_quantile_interpolates_inside_the_bucket():
+    h = Histogram()
+    for _ in range(10):
+        h.observe(0.0015)  # all in (1 ms, 2 ms]
+    assert h.quantile(0.5) == 0.001 + (0.002 - 0.001) * 0.5
+    assert h.quantile(1.0) == 0.002

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from cachefs.config import DEFAULT_BLOCK_SIZE
+from cachefs.stats import SCHEMA_VERSION
 from tests.fuse.conftest import ROOT, Mounts, cli, is_mounted, stats
 from tools.slowfs import read_stats as slowfs_stats
 from tools.slowfs import reset_stats as slowfs_reset
@@ -223,7 +224,11 @@ def test_stats_table_json_and_nothing_visible(zoo, mounts):
     with open(os.path.join(mp, "big-64m"), "rb") as f:
         f.read()
     s = stats(mp)
-    assert s["schema"] == 1
+    assert s["schema"] == SCHEMA_VERSION
+    read_latency = s["latency"]["source.read_range"]
+    assert read_latency["count"] == s["source"]["read_range"]  # every source read timed
+    assert sum(read_latency["buckets"]) == read_latency["count"]
+    assert 0 < read_latency["p50_s"] <= read_latency["p99_s"]
     assert s["source"]["bytes"] == 64 << 20                    # read once, whole blocks
     assert s["source"]["read_range"] == (64 << 20) // DEFAULT_BLOCK_SIZE
     assert s["source"]["served_bytes"] + s["ram"].get("served_bytes", 0) == 64 << 20
