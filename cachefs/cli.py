@@ -128,8 +128,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("stats", help="show what a mount's cache is doing",
                        description="Hits, misses and occupancy per tier, and source traffic, of a cachefs mount.")
-    s.add_argument("mountpoint", nargs="?", help="a cachefs mount point (default: list all cachefs mounts)")
+    s.add_argument("mountpoint", nargs="?", metavar="PATH",
+                   help="a cachefs mount point, or with --coverage any directory or file on one "
+                        "(default: list all cachefs mounts)")
     s.add_argument("--json", action="store_true", help="print the raw snapshot as JSON (schema in README)")
+    s.add_argument("--coverage", action="store_true",
+                   help="how much of PATH is cached, per tier, in files and bytes: is my dataset warm yet? "
+                        "(looks blocks up in the tiers' indexes; reads nothing)")
 
     w = sub.add_parser("warm", help="load files into a mount's cache ahead of training",
                        description="Load PATHs (files or directories on a cachefs mount) into the cache, in the "
@@ -205,9 +210,61 @@ def format_stats(snap: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_coverage(report: dict[str, Any], where: str) -> str:
+    """The human table of `cachefs stats PATH --coverage`."""
+    files, size = report["files"], report["bytes"]
+    lines = [f"coverage of {where}: {files} files, {format_size(size)} ({report['elapsed_s']:.1f}s"
+             + (f", {report['errors']} could not be read" if report.get("errors") else "") + ")",
+             f"{'tier':<8}{'files':>12}{'':>9}{'bytes':>12}{'':>9}"]
+    for tier, label in (("ram", "ram"), ("disk", "disk"), ("cached", "either")):
+        t = report[tier]
+        lines.append(f"{label:<8}{t['files']:>12}{_share(t['files'], files):>9}"
+                     f"{format_size(t['bytes']):>12}{_share(t['bytes'], size):>9}")
+    return "\n".join(lines)
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def _cmd_coverage(args: argparse.Namespace) -> int:
+    import os
+
+    from cachefs.control import request
+    from cachefs.mount import control_address, mount_of
+
+    if not os.path.exists(args.mountpoint):
+        raise CachefsError(f"{args.mountpoint} does not exist")
+    mp, rel = mount_of(args.mountpoint)
+    tty = sys.stderr.isatty()
+    final: dict[str, Any] = {}
+    try:
+        for reply in request(control_address(mp), {"op": "coverage", "path": rel}):
+            if "error" in reply:
+                raise CachefsError(f"coverage of {args.mountpoint}: {reply['error']}")
+            if reply.get("final"):
+                final = reply
+                break
+            if tty:
+                line = (f"{reply['files']} files, {format_size(reply['bytes'])} looked at, "
+                        f"{_share(reply['cached']['bytes'], reply['bytes'])} cached, {reply['elapsed_s']:.0f}s")
+                print("\r" + line.ljust(80), end="", file=sys.stderr, flush=True)
+    except OSError as exc:
+        raise CachefsError(f"cannot reach the daemon of {mp}: {exc.strerror or exc}") from None
+    if tty:
+        print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
+    final.pop("final", None)
+    print(json.dumps(final, indent=2, sort_keys=True) if args.json else format_coverage(final, args.mountpoint))
+    return 0
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from cachefs.mount import cachefs_mounts, read_control
 
+    if args.coverage:
+        if args.mountpoint is None:
+            raise CachefsError("--coverage needs a PATH on a cachefs mount")
+        return _cmd_coverage(args)
     if args.mountpoint is None:
         mounts = cachefs_mounts()
         if args.json:

@@ -372,7 +372,12 @@ def control_handlers(core) -> dict:  # type: ignore[no-untyped-def]
             core.finish_warm(job)  # a client that went away (Ctrl-C) stops its warm
         return result
 
-    return {"stats": stats, "warm": warm, "ping": lambda request, send: {"pong": True}}
+    def coverage_of(request: dict, send) -> dict:  # type: ignore[no-untyped-def]
+        from cachefs.coverage import coverage
+
+        return coverage(core, str(request["path"]), progress=send, every=float(request.get("interval", 0.5)))
+
+    return {"stats": stats, "warm": warm, "coverage": coverage_of, "ping": lambda request, send: {"pong": True}}
 
 
 def _warm_at_mount(core) -> None:  # type: ignore[no-untyped-def]

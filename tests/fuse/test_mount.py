@@ -2,6 +2,7 @@
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 import signal
@@ -221,8 +222,13 @@ def test_stats_table_json_and_nothing_visible(zoo, mounts):
     mp = mounts.cachefs(zoo, extra=["--readahead", "off"])   # exact counts: no guesses
     assert sorted(os.listdir(mp)) == sorted(os.listdir(zoo))
     assert not any("cachefs" in n for n in os.listdir(mp))
-    with open(os.path.join(mp, "big-64m"), "rb") as f:
+    big = os.path.join(mp, "big-64m")
+    cold = json.loads(cli("stats", big, "--coverage", "--json", check=True).stdout)
+    assert cold["files"] == 1 and cold["cached"] == {"files": 0, "bytes": 0}
+    with open(big, "rb") as f:
         f.read()
+    warm = json.loads(cli("stats", big, "--coverage", "--json", check=True).stdout)
+    assert warm["ram"] == {"files": 1, "bytes": 64 << 20}          # RAM holds 256 MiB
     s = stats(mp)
     assert s["schema"] == SCHEMA_VERSION
     read_latency = s["latency"]["source.read_range"]

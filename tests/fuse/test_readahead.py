@@ -48,6 +48,12 @@ def test_warm_then_an_epoch_reads_nothing_from_the_source(tmp_path, mounts):
     import json
     report = json.loads(proc.stdout)
     assert report["state"] == "done" and report["files_loaded"] == 61 and report["files_total"] == 61
+    cov = json.loads(cli("stats", mp / "class_1", "--coverage", "--json", check=True).stdout)
+    sizes = sum(len(d) for rel, d in files.items() if str(rel).startswith("class_1/"))
+    assert (cov["files"], cov["bytes"]) == (20, sizes)
+    assert cov["cached"] == {"files": 20, "bytes": sizes}              # warm: 100% covered
+    table = cli("stats", mp, "--coverage", check=True).stdout
+    assert "61 files" in table and "100.0%" in table
     again = json.loads(cli("warm", mp / "class_1", "--json", check=True).stdout)
     assert again["files_cached"] == 20 and again["files_loaded"] == 0      # resumable: nothing refetched
     slowfs_reset(str(slow))
