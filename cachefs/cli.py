@@ -227,33 +227,50 @@ def _share(part: int, whole: int) -> str:
     return f"{100 * part / whole:.1f}%" if whole else "-"
 
 
-def _cmd_coverage(args: argparse.Namespace) -> int:
-    import os
-
+def _follow_request(mp: str, req: dict[str, Any], what: str,
+                    progress_line: Callable[[dict[str, Any]], str]) -> dict[str, Any]:
+    """Send a streaming control request; show its progress on stderr (in place on a
+    terminal, every 10 s otherwise) and return the final reply without its marker."""
     from cachefs.control import request
-    from cachefs.mount import control_address, mount_of
+    from cachefs.mount import control_address
 
-    if not os.path.exists(args.mountpoint):
-        raise CachefsError(f"{args.mountpoint} does not exist")
-    mp, rel = mount_of(args.mountpoint)
     tty = sys.stderr.isatty()
     final: dict[str, Any] = {}
+    last_print = 0.0
     try:
-        for reply in request(control_address(mp), {"op": "coverage", "path": rel}):
+        for reply in request(control_address(mp), req):
             if "error" in reply:
-                raise CachefsError(f"coverage of {args.mountpoint}: {reply['error']}")
+                raise CachefsError(f"{what}: {reply['error']}")
             if reply.get("final"):
                 final = reply
                 break
             if tty:
-                line = (f"{reply['files']} files, {format_size(reply['bytes'])} looked at, "
-                        f"{_share(reply['cached']['bytes'], reply['bytes'])} cached, {reply['elapsed_s']:.0f}s")
-                print("\r" + line.ljust(80), end="", file=sys.stderr, flush=True)
+                print("\r" + progress_line(reply).ljust(100), end="", file=sys.stderr, flush=True)
+            elif reply["elapsed_s"] - last_print >= 10:
+                last_print = reply["elapsed_s"]
+                print(progress_line(reply), file=sys.stderr, flush=True)
     except OSError as exc:
         raise CachefsError(f"cannot reach the daemon of {mp}: {exc.strerror or exc}") from None
     if tty:
-        print("\r" + " " * 80 + "\r", end="", file=sys.stderr)
+        print("\r" + " " * 100 + "\r", end="", file=sys.stderr)
     final.pop("final", None)
+    return final
+
+
+def _cmd_coverage(args: argparse.Namespace) -> int:
+    import os
+
+    from cachefs.mount import mount_of
+
+    if not os.path.exists(args.mountpoint):
+        raise CachefsError(f"{args.mountpoint} does not exist")
+    mp, rel = mount_of(args.mountpoint)
+
+    def line(reply: dict[str, Any]) -> str:
+        return (f"{reply['files']} files, {format_size(reply['bytes'])} looked at, "
+                f"{_share(reply['cached']['bytes'], reply['bytes'])} cached, {reply['elapsed_s']:.0f}s")
+
+    final = _follow_request(mp, {"op": "coverage", "path": rel}, f"coverage of {args.mountpoint}", line)
     print(json.dumps(final, indent=2, sort_keys=True) if args.json else format_coverage(final, args.mountpoint))
     return 0
 
@@ -308,8 +325,7 @@ def _progress_line(p: dict[str, Any]) -> str:
 def _cmd_warm(args: argparse.Namespace) -> int:
     import os
 
-    from cachefs.control import request
-    from cachefs.mount import control_address, mount_of
+    from cachefs.mount import mount_of
 
     targets: dict[str, list[str]] = {}
     for path in args.paths:
@@ -317,27 +333,9 @@ def _cmd_warm(args: argparse.Namespace) -> int:
             raise CachefsError(f"{path} does not exist")
         mp, rel = mount_of(path)
         targets.setdefault(mp, []).append(rel)
-    tty = sys.stderr.isatty()
     code = 0
     for mp, rels in targets.items():
-        final: dict[str, Any] = {}
-        last_print = 0.0
-        try:
-            for reply in request(control_address(mp), {"op": "warm", "paths": rels}):
-                if "error" in reply:
-                    raise CachefsError(f"warm of {mp}: {reply['error']}")
-                if reply.get("final"):
-                    final = reply
-                    break
-                if tty:
-                    print("\r" + _progress_line(reply).ljust(100), end="", file=sys.stderr, flush=True)
-                elif reply["elapsed_s"] - last_print >= 10:
-                    last_print = reply["elapsed_s"]
-                    print(_progress_line(reply), file=sys.stderr, flush=True)
-        except OSError as exc:
-            raise CachefsError(f"cannot reach the daemon of {mp}: {exc.strerror or exc}") from None
-        if tty:
-            print("\r" + " " * 100 + "\r", end="", file=sys.stderr)
+        final = _follow_request(mp, {"op": "warm", "paths": rels}, f"warm of {mp}", _progress_line)
         if args.json:
             print(json.dumps(final))
         else:
