@@ -132,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a cachefs mount point, or with --coverage any directory or file on one "
                         "(default: list all cachefs mounts)")
     s.add_argument("--json", action="store_true", help="print the raw snapshot as JSON (schema in README)")
+    s.add_argument("--watch", nargs="?", const=1.0, type=_duration("--watch"), metavar="SECONDS",
+                   help="a live view: per-second rates (reads, MB/s from each tier and from the source, "
+                        "hit rate and source p99 over the last interval), refreshed every SECONDS "
+                        "(default 1); one line per interval when not on a terminal. Ctrl-C stops it")
     s.add_argument("--coverage", action="store_true",
                    help="how much of PATH is cached, per tier, in files and bytes: is my dataset warm yet? "
                         "(looks blocks up in the tiers' indexes; reads nothing)")
@@ -275,6 +279,31 @@ def _cmd_coverage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_watch(args: argparse.Namespace) -> int:
+    from cachefs.mount import read_control
+    from cachefs.watch import watch
+
+    if args.mountpoint is None:
+        raise CachefsError("--watch needs a MOUNTPOINT")
+    if args.watch <= 0:
+        raise CachefsError("--watch SECONDS must be more than 0")
+    if args.json:
+        raise CachefsError("--watch prints a live view; for scripts, poll --json instead")
+    mp = args.mountpoint
+    read_control(mp, "user.cachefs.stats")  # not a mount: a clear error before the first wait
+
+    def read() -> dict[str, Any]:
+        return read_control(mp, "user.cachefs.stats")
+
+    try:
+        watch(read, args.watch, title=f"cachefs {mp}")
+    except CachefsError:
+        print(f"cachefs: {mp} went away; stopped watching", file=sys.stderr)
+    except BrokenPipeError:  # piped into head
+        sys.stderr.close()
+    return 0
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from cachefs.mount import cachefs_mounts, read_control
 
@@ -282,6 +311,8 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         if args.mountpoint is None:
             raise CachefsError("--coverage needs a PATH on a cachefs mount")
         return _cmd_coverage(args)
+    if args.watch is not None:
+        return _cmd_watch(args)
     if args.mountpoint is None:
         mounts = cachefs_mounts()
         if args.json:

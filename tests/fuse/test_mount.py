@@ -4,6 +4,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import stat
@@ -479,3 +480,62 @@ def test_open_per_handle_mode_serves_the_same_bytes(zoo, mounts):
     s = stats(mp)
     assert s["fuse"]["open"] == 3 and s["fuse"]["release"] == 3
     assert s["info"]["zero_message_open"] is False
+
+
+def _watch_in_a_pty(mp, seconds="0.2"):
+    """Start `cachefs stats MP --watch SECONDS` on a pseudo-terminal; (process, read all)."""
+    import pty
+
+    master, slave = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "cachefs", "stats", str(mp), "--watch", seconds],
+                            stdin=slave, stdout=slave, stderr=slave, cwd=ROOT, close_fds=True)
+    os.close(slave)
+    chunks = []
+
+    def read_for(duration):
+        deadline = time.monotonic() + duration
+        while time.monotonic() < deadline:
+            import select
+
+            ready, _, _ = select.select([master], [], [], 0.05)
+            if ready:
+                try:
+                    chunks.append(os.read(master, 65536))
+                except OSError:  # the process closed the terminal
+                    break
+        return b"".join(chunks).decode(errors="replace")
+
+    return proc, read_for, master
+
+
+def test_watch_refreshes_in_place_on_a_terminal_and_stops_on_ctrl_c(zoo, mounts):
+    mp = mounts.cachefs(zoo, extra=["--readahead", "off"])
+    proc, read_for, master = _watch_in_a_pty(mp)
+    try:
+        read_for(0.5)
+        with open(os.path.join(mp, "big-64m"), "rb") as f:
+            f.read()
+        text = read_for(1.0)
+        assert text.count("\x1b[H\x1b[J") >= 3          # redrawn in place, several times
+        assert "reads/s" in text and "src MB/s" in text and str(mp) in text
+        assert re.search(r"\d+\.\d%", text), text[-500:]  # an interval with reads has a hit rate
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=10) == 0
+        assert "Traceback" not in read_for(0.2)
+    finally:
+        proc.kill()
+        os.close(master)
+
+
+def test_watch_exits_cleanly_when_the_mount_goes_away(zoo, mounts):
+    mp = mounts.cachefs(zoo)
+    proc, read_for, master = _watch_in_a_pty(mp)
+    try:
+        read_for(0.5)
+        mounts.unmount(mp)
+        assert proc.wait(timeout=10) == 0
+        text = read_for(0.3)
+        assert "went away" in text and "Traceback" not in text
+    finally:
+        proc.kill()
+        os.close(master)
