@@ -279,6 +279,29 @@ def _cmd_coverage(args: argparse.Namespace) -> int:
     return 0
 
 
+def summary_line(mountpoint: str, source: str, snap: dict[str, Any] | None, problem: str | None = None) -> str:
+    """One line per mount for `cachefs stats` without an argument."""
+    if snap is None:
+        return f"{mountpoint}  <- {source}  ({problem})"
+    ram, disk, src = snap.get("ram", {}), snap.get("disk", {}), snap.get("source", {})
+    g = lambda d, k: d.get(k) or 0
+    hits = g(ram, "hits") + g(disk, "hits")
+    lookups = g(ram, "hits") + g(ram, "misses")
+    return (f"{mountpoint}  <- {source}  up {_uptime(snap.get('uptime_s') or 0)}, "
+            f"hit rate {_ratio(hits, lookups - hits)}, "
+            f"RAM {format_size(g(ram, 'used_bytes'))}/{format_size(g(ram, 'capacity_bytes'))}, "
+            f"NVMe {format_size(g(disk, 'used_bytes'))}/{format_size(g(disk, 'capacity_bytes'))}, "
+            f"{format_size(g(src, 'bytes'))} from the source")
+
+
+def _uptime(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.1f}h"
+
+
 def _cmd_watch(args: argparse.Namespace) -> int:
     from cachefs.mount import read_control
     from cachefs.watch import watch
@@ -315,13 +338,23 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         return _cmd_watch(args)
     if args.mountpoint is None:
         mounts = cachefs_mounts()
+        listing = []
+        for m in mounts:
+            snap: dict[str, Any] | None = None
+            problem: str | None = None
+            try:
+                snap = read_control(m.mountpoint, "user.cachefs.stats")
+            except CachefsError as exc:  # a stale mount, or another user's
+                problem = str(exc)
+            listing.append((m, snap, problem))
         if args.json:
-            print(json.dumps([{"mountpoint": m.mountpoint, "source": m.source} for m in mounts]))
+            print(json.dumps([{"mountpoint": m.mountpoint, "source": m.source, "stats": snap, "error": problem}
+                              for m, snap, problem in listing]))
             return 0
         if not mounts:
             print("no cachefs mounts")
-        for m in mounts:
-            print(f"{m.mountpoint}  <- {m.source}")
+        for m, snap, problem in listing:
+            print(summary_line(m.mountpoint, m.source, snap, problem))
         return 0
     snap = read_control(args.mountpoint, "user.cachefs.stats")
     print(json.dumps(snap, indent=2, sort_keys=True) if args.json else format_stats(snap))

@@ -539,3 +539,25 @@ def test_watch_exits_cleanly_when_the_mount_goes_away(zoo, mounts):
     finally:
         proc.kill()
         os.close(master)
+
+
+def test_two_mounts_report_their_own_figures_and_are_listed(tmp_path, mounts):
+    for name in ("a", "b"):
+        (tmp_path / f"src_{name}").mkdir()
+        (tmp_path / f"src_{name}" / "f").write_bytes(os.urandom(300_000))
+    mp_a = mounts.cachefs(str(tmp_path / "src_a"), name="mnt_a", cache_dir=tmp_path / "cache_a",
+                          extra=["--readahead", "off"])
+    mp_b = mounts.cachefs(str(tmp_path / "src_b"), name="mnt_b", cache_dir=tmp_path / "cache_b",
+                          extra=["--readahead", "off"])
+    (mp_a / "f").read_bytes()
+    assert stats(mp_a)["source"]["bytes"] == 300_000
+    assert stats(mp_b)["source"].get("bytes", 0) == 0
+    listing = json.loads(cli("stats", "--json", check=True).stdout)
+    ours = {e["mountpoint"]: e for e in listing if e["mountpoint"] in (str(mp_a), str(mp_b))}
+    assert ours[str(mp_a)]["stats"]["source"]["bytes"] == 300_000
+    assert ours[str(mp_b)]["stats"]["source"].get("bytes", 0) == 0
+    assert ours[str(mp_a)]["source"] == str(tmp_path / "src_a")
+    lines = cli("stats", check=True).stdout.splitlines()
+    line_a = next(x for x in lines if x.startswith(f"{mp_a} "))
+    assert "293.0 KiB from the source" in line_a and "hit rate 0.0%" in line_a
+    assert any(x.startswith(f"{mp_b} ") and "0 B from the source" in x for x in lines)
