@@ -56,12 +56,23 @@ def _duration(what: str) -> Callable[[str], float]:
     return _argtype(parse_duration, what)
 
 
-def _policy(text: str) -> str:
-    try:
-        parse_policy_spec(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"invalid --policy: {exc}") from None
-    return text
+def _checked(check: Callable[[str], object], what: str) -> Callable[[str], str]:
+    """An argparse type that keeps the text once `check` (raising ValueError) accepts it."""
+
+    def convert(text: str) -> str:
+        try:
+            check(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"invalid {what}: {exc}") from None
+        return text
+
+    return convert
+
+
+def _parse_metrics_addr(text: str) -> object:
+    from cachefs.metrics import parse_metrics_addr  # imports no prometheus-client
+
+    return parse_metrics_addr(text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,7 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiers.add_argument("--min-free", type=_size("--min-free"), metavar="SIZE",
                        help="space the NVMe tier always leaves free on the cache disk, a hard limit "
                             "(default: 5%% of the disk, at most 10 GiB)")
-    tiers.add_argument("--policy", default=DEFAULT_POLICY, type=_policy, metavar="POLICY",
+    tiers.add_argument("--policy", default=DEFAULT_POLICY, type=_checked(parse_policy_spec, "--policy"),
+                       metavar="POLICY",
                        help="what each tier keeps: keep (admit until full, then keep: the best hit rate "
                             "under shuffled epochs) or lru; per tier as ram=lru,disk=keep "
                             "(default: %(default)s)")
@@ -115,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     ra.add_argument("--warm", action="store_true",
                     help="load the whole source into the cache in the background, below the job's own reads")
     run = m.add_argument_group("running")
+    run.add_argument("--metrics-addr", type=_checked(_parse_metrics_addr, "--metrics-addr"), metavar="[HOST:]PORT",
+                     help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to "
+                          "127.0.0.1, loopback only; needs the metrics extra: pip install 'cachefs[metrics]')")
     run.add_argument("-f", "--foreground", action="store_true",
                      help="stay in the foreground (log to stderr); Ctrl-C or SIGTERM unmounts")
     run.add_argument("--allow-other", action="store_true",
@@ -371,6 +386,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         allow_other=args.allow_other, log_file=args.log_file, verbose=args.verbose,
         debug_fuse=args.debug_fuse, zero_message_open=not args.open_per_handle,
         readahead=args.readahead, prefetch_workers=args.prefetch_workers, warm=args.warm,
+        metrics_addr=args.metrics_addr,
         policy=args.policy, max_idle=args.max_idle, min_free=args.min_free,
     )
     return mount(config)

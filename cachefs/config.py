@@ -161,6 +161,7 @@ class Config:
     readahead: str = DEFAULT_READAHEAD
     prefetch_workers: int | None = None  # None: by the source's kind (see validate)
     warm: bool = False
+    metrics_addr: str | None = None  # HOST:PORT of the Prometheus endpoint; None = off
     policy: str = DEFAULT_POLICY  # "keep", "lru", or per tier: "ram=lru,disk=keep"
     max_idle: float = DEFAULT_MAX_IDLE  # seconds; 0 = off
     min_free: int | None = None  # bytes; None = DEFAULT_MIN_FREE_* rule

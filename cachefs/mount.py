@@ -416,6 +416,20 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     info = {"version": __version__, "source": config.source, "mountpoint": config.mountpoint,
             "cache_dir": config.cache_dir, "log_file": config.log_file,
             "control": control.address.replace("\0", "@", 1)}
+    metrics = None
+    if config.metrics_addr:
+        from cachefs.metrics import start_metrics_server
+
+        try:
+            metrics = start_metrics_server(core.stats, config.metrics_addr)
+        except BaseException:
+            control.close()
+            core.close()
+            raise
+        host, port = metrics.server_address[:2]
+        info["metrics"] = f"http://{host}:{port}/metrics"
+        core.stats.set_info(metrics=info["metrics"])
+        log.info("Prometheus metrics at %s", info["metrics"])
 
     def ready() -> None:
         # Not inline: stat()ing our own mount point from inside FUSE init would wait on init.
@@ -429,6 +443,8 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     try:
         run_fuse(ops, config.mountpoint, config)
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         control.close()
         core.close()
 

@@ -108,6 +108,10 @@ class Stats:
     def gauge(self, name: str, fn: Callable[[], Any]) -> None:
         self._gauges[name] = fn
 
+    def gauge_names(self) -> set[str]:
+        """Names that are gauges (levels); every other number is a counter (a running total)."""
+        return set(self._gauges)
+
     def set_info(self, **info: Any) -> None:
         self._info.update(info)
 

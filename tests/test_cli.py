@@ -85,6 +85,8 @@ def test_bad_mount_requests(case, tree, capsys):
     (["mount", "s", "m", "--no-such-option"], "unrecognized arguments"),
     (["mount", "s", "m", "--readahead", "always"], "invalid choice"),
     (["mount", "s", "m", "--ram-size", "9" * 400 + "GiB"], "too large"),
+    (["mount", "s", "m", "--metrics-addr", "localhost:http"], "invalid --metrics-addr"),
+    (["stats", "m", "--watch", "soon"], "invalid --watch"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as info:
@@ -118,3 +120,10 @@ def test_format_stats_shows_every_tier_and_the_source():
     assert "40 blocks fetched" in text and "31 used, 2 evicted unread, 7 waiting" in text
     assert "90.0%" in text and "50.0%" in text
     assert "1.0 GiB" in text and "2 checksum failures" in text and "/nfs/x" in text
+
+
+def test_watch_and_coverage_need_a_path(capsys):
+    assert main(["stats", "--coverage"]) == 2
+    assert "--coverage needs a PATH" in capsys.readouterr().err
+    assert main(["stats", "/", "--watch", "0"]) == 2
+    assert "cachefs: error:" in capsys.readouterr().err

@@ -561,3 +561,40 @@ def test_two_mounts_report_their_own_figures_and_are_listed(tmp_path, mounts):
     line_a = next(x for x in lines if x.startswith(f"{mp_a} "))
     assert "293.0 KiB from the source" in line_a and "hit rate 0.0%" in line_a
     assert any(x.startswith(f"{mp_b} ") and "0 B from the source" in x for x in lines)
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_prometheus_endpoint_on_loopback_matches_the_stats(tmp_path, mounts):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    (tmp_path / "src").mkdir()
+    data = os.urandom(700_000)
+    (tmp_path / "src" / "f").write_bytes(data)
+    port = _free_port()
+    mp = mounts.cachefs(str(tmp_path / "src"), extra=["--readahead", "off", "--metrics-addr", str(port)])
+    assert (mp / "f").read_bytes() == data
+    assert stats(mp)["info"]["metrics"] == f"http://127.0.0.1:{port}/metrics"   # loopback by default
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    assert samples[("cachefs_source_bytes_total", ())] == len(data)
+    assert samples[("cachefs_source_requests_total", (("op", "read_range"),))] == 1
+    assert samples[("cachefs_source_request_duration_seconds_count", (("op", "read_range"),))] == 1
+    assert samples[("cachefs_ram_misses_total", ())] >= 1
+    assert samples[("cachefs_ram_capacity_bytes", ())] == 256 << 20
+    # a second mount cannot take the same port: the mount fails cleanly, nothing is left mounted
+    (tmp_path / "src2").mkdir()
+    (tmp_path / "mnt2").mkdir()
+    proc = cli("mount", tmp_path / "src2", tmp_path / "mnt2", "--cache-dir", tmp_path / "cache2",
+               "--metrics-addr", str(port))
+    assert proc.returncode == 1 and "cannot serve metrics" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not is_mounted(tmp_path / "mnt2")
