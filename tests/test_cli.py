@@ -87,6 +87,7 @@ def test_bad_mount_requests(case, tree, capsys):
     (["mount", "s", "m", "--ram-size", "9" * 400 + "GiB"], "too large"),
     (["mount", "s", "m", "--metrics-addr", "localhost:http"], "invalid --metrics-addr"),
     (["stats", "m", "--watch", "soon"], "invalid --watch"),
+    (["mount", "s", "m", "--policy", "fifo"], "invalid --policy"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as info:

@@ -1,0 +1,44 @@
+"""A failing source request is logged as one line with the path and errno; a traceback
+only at debug level (no mount: the FUSE operations object is called directly)."""
+
+import errno
+import logging
+
+import pytest
+
+from cachefs.config import Config
+from cachefs.fuse_ops import CachefsOperations, FuseOSError
+from cachefs.memsource import MemorySource
+from tests.conftest import make_core
+
+
+def ops_over(source):
+    config = Config(source="/src", mountpoint="/mnt", cache_dir="/tmp/unused")
+    return CachefsOperations(make_core(source), config)
+
+
+def failing_read(caplog, level):
+    src = MemorySource()
+    src.add_file("/bad.jpg", b"x" * 100)
+    src.faults[("read_range", "/bad.jpg")] = errno.EIO
+    ops = ops_over(src)
+    caplog.clear()
+    with caplog.at_level(level, logger="cachefs"), pytest.raises(FuseOSError) as exc:
+        ops.read("/bad.jpg", 100, 0, None)
+    assert exc.value.errno == errno.EIO
+    records = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    return ops, records
+
+
+def test_a_source_error_is_one_warning_line_with_path_and_errno(caplog):
+    ops, records = failing_read(caplog, logging.INFO)
+    assert len(records) == 1
+    message = records[0].getMessage()
+    assert "/bad.jpg" in message and "errno 5 EIO" in message and "\n" not in message
+    assert not records[0].exc_info and "Traceback" not in caplog.text  # none at info level
+    assert ops.core.stats.get("source.errors") == 1 and ops.core.stats.get("fuse.errors") == 1
+
+
+def test_debug_level_adds_the_traceback(caplog):
+    _, records = failing_read(caplog, logging.DEBUG)
+    assert records and records[0].exc_info and "Traceback" in caplog.text
