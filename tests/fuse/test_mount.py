@@ -598,3 +598,22 @@ def test_prometheus_endpoint_on_loopback_matches_the_stats(tmp_path, mounts):
                "--metrics-addr", str(port))
     assert proc.returncode == 1 and "cannot serve metrics" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not is_mounted(tmp_path / "mnt2")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_counters_exactly_first_read_misses_second_read_hits(tmp_path, mounts):
+    (tmp_path / "src").mkdir()
+    data = os.urandom(3 * DEFAULT_BLOCK_SIZE + 123)        # four blocks
+    (tmp_path / "src" / "f").write_bytes(data)
+    mp = mounts.cachefs(str(tmp_path / "src"), extra=["--readahead", "off"])
+    assert (mp / "f").read_bytes() == data
+    s1 = stats(mp)
+    assert s1["source"]["bytes"] == len(data) and s1["source"]["read_range"] == 4
+    assert s1["ram"]["misses"] == 4 and s1["ram"].get("hits", 0) == 0
+    with open("/proc/sys/vm/drop_caches", "w") as f:       # so the second read reaches cachefs
+        f.write("3\n")
+    assert (mp / "f").read_bytes() == data
+    s2 = stats(mp)
+    assert s2["source"]["bytes"] == len(data)                # nothing more from the source
+    assert s2["ram"]["hits"] == 4 and s2["ram"]["misses"] == 4
+    assert s2["ram"]["served_bytes"] == len(data)
