@@ -303,6 +303,7 @@ class DiskTier:
                 self._stats.incr("disk.dropped_writes")
                 return False
             if not evict and not self._room_for(self._queued_bytes + size + HEADER_SIZE):
+                self._stats.incr("disk.no_room")
                 return False
             self._queued_bytes += size
         self._queue.put((key, data, evict))
