@@ -20,6 +20,7 @@ $(STAMP): pyproject.toml
 	@test -e /dev/fuse || { echo "/dev/fuse is missing: modprobe fuse (in a container: --device /dev/fuse --cap-add SYS_ADMIN)"; exit 1; }
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0   # the CPU build (tests of the torch extra); pinned so pip never picks a GPU build
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) tools/slowfs.py --build-only
 	touch $(STAMP)
