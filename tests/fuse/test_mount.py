@@ -492,9 +492,12 @@ def _watch_in_a_pty(mp, seconds="0.2"):
     os.close(slave)
     chunks = []
 
-    def read_for(duration):
+    def read_for(duration, until=None):
+        """Collect output for `duration` seconds, or until `until(text)` holds."""
         deadline = time.monotonic() + duration
         while time.monotonic() < deadline:
+            if until is not None and until(b"".join(chunks).decode(errors="replace")):
+                break
             import select
 
             ready, _, _ = select.select([master], [], [], 0.05)
@@ -512,10 +515,10 @@ def test_watch_refreshes_in_place_on_a_terminal_and_stops_on_ctrl_c(zoo, mounts)
     mp = mounts.cachefs(zoo, extra=["--readahead", "off"])
     proc, read_for, master = _watch_in_a_pty(mp)
     try:
-        read_for(0.5)
+        read_for(20, until=lambda t: "reads/s" in t)     # the first redraw: the watch is running
         with open(os.path.join(mp, "big-64m"), "rb") as f:
             f.read()
-        text = read_for(1.0)
+        text = read_for(20, until=lambda t: t.count("\x1b[H\x1b[J") >= 3 and re.search(r"\d+\.\d%", t))
         assert text.count("\x1b[H\x1b[J") >= 3          # redrawn in place, several times
         assert "reads/s" in text and "src MB/s" in text and str(mp) in text
         assert re.search(r"\d+\.\d%", text), text[-500:]  # an interval with reads has a hit rate
@@ -531,7 +534,7 @@ def test_watch_exits_cleanly_when_the_mount_goes_away(zoo, mounts):
     mp = mounts.cachefs(zoo)
     proc, read_for, master = _watch_in_a_pty(mp)
     try:
-        read_for(0.5)
+        read_for(20, until=lambda t: "reads/s" in t)     # running before the mount goes away
         mounts.unmount(mp)
         assert proc.wait(timeout=10) == 0
         text = read_for(0.3)
