@@ -27,6 +27,7 @@ from cachefs.config import (
 )
 from cachefs.errors import CachefsError
 from cachefs.policy import parse_policy_spec
+from cachefs.stats import block_hit_rate
 
 
 class _Parser(argparse.ArgumentParser):
@@ -300,10 +301,9 @@ def summary_line(mountpoint: str, source: str, snap: dict[str, Any] | None, prob
         return f"{mountpoint}  <- {source}  ({problem})"
     ram, disk, src = snap.get("ram", {}), snap.get("disk", {}), snap.get("source", {})
     g = lambda d, k: d.get(k) or 0
-    hits = g(ram, "hits") + g(disk, "hits")
-    lookups = g(ram, "hits") + g(ram, "misses")
+    rate = block_hit_rate(g(ram, "hits"), g(ram, "misses"), g(disk, "hits"))
     return (f"{mountpoint}  <- {source}  up {_uptime(snap.get('uptime_s') or 0)}, "
-            f"hit rate {_ratio(hits, lookups - hits)}, "
+            f"hit rate {'-' if rate is None else f'{rate:.1%}'}, "
             f"RAM {format_size(g(ram, 'used_bytes'))}/{format_size(g(ram, 'capacity_bytes'))}, "
             f"NVMe {format_size(g(disk, 'used_bytes'))}/{format_size(g(disk, 'capacity_bytes'))}, "
             f"{format_size(g(src, 'bytes'))} from the source")
@@ -328,13 +328,13 @@ def _cmd_watch(args: argparse.Namespace) -> int:
     if args.json:
         raise CachefsError("--watch prints a live view; for scripts, poll --json instead")
     mp = args.mountpoint
-    read_control(mp, "user.cachefs.stats")  # not a mount: a clear error before the first wait
+    first = read_control(mp, "user.cachefs.stats")  # not a mount: a clear error, exit 2
 
     def read() -> dict[str, Any]:
         return read_control(mp, "user.cachefs.stats")
 
     try:
-        watch(read, args.watch, title=f"cachefs {mp}")
+        watch(read, args.watch, title=f"cachefs {mp}", first=first)
     except CachefsError:
         print(f"cachefs: {mp} went away; stopped watching", file=sys.stderr)
     except BrokenPipeError:  # piped into head

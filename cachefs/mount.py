@@ -417,19 +417,6 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
             "cache_dir": config.cache_dir, "log_file": config.log_file,
             "control": control.address.replace("\0", "@", 1)}
     metrics = None
-    if config.metrics_addr:
-        from cachefs.metrics import start_metrics_server
-
-        try:
-            metrics = start_metrics_server(core.stats, config.metrics_addr)
-        except BaseException:
-            control.close()
-            core.close()
-            raise
-        host, port = metrics.server_address[:2]
-        info["metrics"] = f"http://{host}:{port}/metrics"
-        core.stats.set_info(metrics=info["metrics"])
-        log.info("Prometheus metrics at %s", info["metrics"])
 
     def ready() -> None:
         # Not inline: stat()ing our own mount point from inside FUSE init would wait on init.
@@ -439,8 +426,16 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
         if on_ready is not None:
             on_ready()
 
-    ops = CachefsOperations(core, config, on_ready=ready, info=info)
     try:
+        if config.metrics_addr:
+            from cachefs.metrics import start_metrics_server
+
+            metrics = start_metrics_server(core.stats, config.metrics_addr)
+            host, port = metrics.server_address[:2]
+            info["metrics"] = f"http://{host}:{port}/metrics"
+            core.stats.set_info(metrics=info["metrics"])
+            log.info("Prometheus metrics at %s", info["metrics"])
+        ops = CachefsOperations(core, config, on_ready=ready, info=info)
         run_fuse(ops, config.mountpoint, config)
     finally:
         if metrics is not None:

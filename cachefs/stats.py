@@ -28,6 +28,13 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 )
 
 
+def block_hit_rate(ram_hits: float, ram_misses: float, disk_hits: float) -> float | None:
+    """Share of block lookups served by a tier: RAM or NVMe hits over RAM lookups (every
+    lookup starts in RAM); None without lookups."""
+    lookups = ram_hits + ram_misses
+    return (ram_hits + disk_hits) / lookups if lookups else None
+
+
 class Histogram:
     """Counts of observations per bucket (cumulative only when exported), their sum."""
 
@@ -37,6 +44,14 @@ class Histogram:
         self.counts = [0] * (len(LATENCY_BUCKETS) + 1)
         self.sum = 0.0
         self.count = 0
+
+    @classmethod
+    def from_counts(cls, counts: list[int]) -> Histogram:
+        """A histogram of per-bucket counts (e.g. the difference of two exports); no sum."""
+        h = cls()
+        h.counts = list(counts)
+        h.count = sum(counts)
+        return h
 
     def observe(self, seconds: float) -> None:
         self.counts[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1

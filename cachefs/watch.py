@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, TextIO
 
 from cachefs.config import format_size
-from cachefs.stats import LATENCY_BUCKETS, Histogram
+from cachefs.stats import LATENCY_BUCKETS, Histogram, block_hit_rate
 
 MB = 1_000_000
 
@@ -48,13 +48,10 @@ def _interval_p99(before: dict[str, Any], after: dict[str, Any], name: str) -> f
     if not a or "buckets" not in a:
         return None
     b = (before.get("latency") or {}).get(name) or {}
-    h = Histogram()
     old = b.get("buckets") or []
     if len(old) != len(a["buckets"]):
         old = [0] * len(a["buckets"])  # no earlier histogram (or another daemon's)
-    h.counts = [max(0, x - y) for x, y in zip(a["buckets"], old, strict=True)]
-    h.count = sum(h.counts)
-    return h.quantile(0.99)
+    return Histogram.from_counts([max(0, x - y) for x, y in zip(a["buckets"], old, strict=True)]).quantile(0.99)
 
 
 def rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -62,9 +59,6 @@ def rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     of the interval (RAM or NVMe hits over all block lookups), the source's p99 latency over
     the interval, and the tiers' occupancy at its end."""
     dt = max(1e-6, (after.get("uptime_s") or 0) - (before.get("uptime_s") or 0))
-    ram_hits = _delta(before, after, "ram", "hits")
-    disk_hits = _delta(before, after, "disk", "hits")
-    ram_lookups = ram_hits + _delta(before, after, "ram", "misses")
     p99 = _interval_p99(before, after, "source.read_range")
     return {
         "interval_s": round(dt, 3),
@@ -73,7 +67,8 @@ def rates(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
         "ram_mb_s": _delta(before, after, "ram", "served_bytes") / dt / MB,
         "disk_mb_s": _delta(before, after, "disk", "served_bytes") / dt / MB,
         "source_mb_s": _delta(before, after, "source", "bytes") / dt / MB,
-        "hit_rate": (ram_hits + disk_hits) / ram_lookups if ram_lookups else None,
+        "hit_rate": block_hit_rate(_delta(before, after, "ram", "hits"), _delta(before, after, "ram", "misses"),
+                                   _delta(before, after, "disk", "hits")),
         "source_req_per_s": _delta(before, after, "source", "read_range") / dt,
         "source_p99_s": p99,
         "prefetch_per_s": _delta(before, after, "prefetch", "blocks") / dt,
@@ -104,11 +99,12 @@ def line(row: dict[str, Any]) -> str:
 
 def watch(read: Callable[[], dict[str, Any]], interval: float, out: TextIO = sys.stdout,
           tty: bool | None = None, sleep: Callable[[float], None] = time.sleep,
-          count: int | None = None, title: str = "") -> int:
+          count: int | None = None, title: str = "", first: dict[str, Any] | None = None) -> int:
     """Print a row every `interval` seconds until `read` raises (the mount went away),
-    Ctrl-C, or `count` rows. Returns the number of rows printed."""
+    Ctrl-C, or `count` rows; `first` is a snapshot the caller already read. Returns the
+    number of rows printed."""
     tty = out.isatty() if tty is None else tty
-    before = read()
+    before = read() if first is None else first
     rows = 0
     history: list[str] = []
     try:
