@@ -7,7 +7,8 @@ published in user.cachefs.info, so a client finds it from the mount point alone.
 daemon serves only its own user and root (SO_PEERCRED).
 
 Protocol: the client sends one JSON object on one line and reads JSON lines back until
-one has "final": true (or "error").
+one has "final": true (or "error"). A streaming request (order hints) keeps sending lines
+after the first; the connection's end is the end of the request.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 Handler = Callable[[dict, Callable[[dict], None]], dict]
+# A streaming handler also reads the client's further lines: receive() -> dict, None at EOF.
+StreamHandler = Callable[[dict, Callable[[dict], None], Callable[[], "dict | None"]], dict]
 
 
 def address_for(mountpoint: str) -> str:
@@ -36,9 +39,11 @@ def address_for(mountpoint: str) -> str:
 
 
 class ControlServer:
-    def __init__(self, address: str, handlers: dict[str, Handler], owner: int | None = None):
+    def __init__(self, address: str, handlers: dict[str, Handler], owner: int | None = None,
+                 streams: dict[str, StreamHandler] | None = None):
         self.address = address
         self.handlers = handlers
+        self.streams = streams or {}
         self.owner = os.getuid() if owner is None else owner
         self._sock: socket.socket | None = None
 
@@ -80,11 +85,19 @@ class ControlServer:
                     return
                 line = reader.readline(1 << 20)
                 request = json.loads(line)
-                handler = self.handlers.get(request.get("op"))
-                if handler is None:
-                    send({"error": f"unknown request {request.get('op')!r}", "final": True})
-                    return
-                reply = handler(request, send)
+                op = request.get("op")
+                if op in self.streams:
+                    def receive() -> dict | None:
+                        more = reader.readline(1 << 24)
+                        return json.loads(more) if more else None
+
+                    reply = self.streams[op](request, send, receive)
+                else:
+                    handler = self.handlers.get(op)
+                    if handler is None:
+                        send({"error": f"unknown request {op!r}", "final": True})
+                        return
+                    reply = handler(request, send)
                 send(dict(reply, final=True))
             except (BrokenPipeError, ConnectionResetError):
                 pass  # the client went away (Ctrl-C); its handler saw that as a failed send

@@ -34,7 +34,8 @@ from cachefs.config import (
     READAHEAD_MODES,
 )
 from cachefs.errors import SourceChanged
-from cachefs.prefetch import DIR, READAHEAD, WARM, Prefetcher
+from cachefs.hints import HintBoard
+from cachefs.prefetch import DIR, HINT, READAHEAD, WARM, Prefetcher
 from cachefs.readahead import DirectoryCursor, SequentialReadahead, StreamTable
 from cachefs.source import Attr, DirEntry, Source
 from cachefs.stats import Stats
@@ -127,6 +128,10 @@ class Core:
         self._ahead_lock = threading.Lock()
         cache.ram.on_evict = self._on_ram_evict
         stats.gauge("prefetch.unused", lambda: len(self._ahead))
+        self.hints: HintBoard | None = None  # order hints (cachefs/hints.py), with a prefetch pool
+        if prefetcher is not None:
+            self.hints = HintBoard(self)
+            prefetcher.add_feeder(HINT, self.hints)
         self.dir_readahead: DirReadahead | None = None
         if self.readahead == "dir" and prefetcher is not None:
             self.dir_readahead = DirReadahead(self, prefetcher, max_file_blocks=max_blocks)
@@ -294,6 +299,8 @@ class Core:
         # any reader can see it, so a block it fetched is counted used exactly once.
         if self._ahead:
             self._note_used(key)
+        if self.hints is not None and self.hints.holding:
+            self.hints.on_read(key)
         return result
 
     def _claim(self, key: bytes) -> tuple[Future, bool]:
@@ -406,6 +413,38 @@ class Core:
             return "no_room"
         self.stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": len(data)})
         return "fetched"
+
+    def fetch_pinned(self, fid: FileId, index: int, pin_limit: int) -> str:
+        """Fetch one hinted block into RAM, pinned (see cachefs/hints.py). Returns the tier
+        it came from ("ram", "disk", "source"), or what happened instead: "inflight" (a
+        reader is fetching it right now, and has it first), "refused" (RAM has no unpinned
+        block left to replace)."""
+        key = block_key(self.namespace, fid, index, self.block_size)
+        ram = self.cache.ram
+        if ram.pin(key):
+            return "ram"
+        pending, owner = self._claim(key)
+        if not owner:
+            return "inflight"
+        pinned = False
+
+        def fetch() -> tuple[bytes, str]:
+            nonlocal pinned
+            data = ram.peek(key)
+            if data is not None:
+                pinned = ram.pin(key)
+                return data, "ram"
+            data = self.cache.disk.get(key) if self.cache.disk is not None else None
+            tier = "disk"
+            if data is None:
+                data, tier = self._fetch_source(fid, index), "source"
+                if self.cache.disk is not None:
+                    self.cache.disk.put(key, data)  # as the demand miss it stands for
+            pinned = ram.put_pinned(key, data, pin_limit)  # before any waiter wakes
+            return data, tier
+
+        _, tier = self._run_owned(key, pending, fetch)
+        return tier if pinned else "refused"
 
     def prefetch_file(self, path: str, max_blocks: int | None = None) -> tuple[str, int]:
         """Fetch a file's blocks ahead of need; returns (worst outcome, bytes fetched)."""

@@ -380,6 +380,27 @@ def control_handlers(core) -> dict:  # type: ignore[no-untyped-def]
     return {"stats": stats, "warm": warm, "coverage": coverage_of, "ping": lambda request, send: {"pong": True}}
 
 
+def control_streams(core) -> dict:  # type: ignore[no-untyped-def]
+    """Streaming requests of the control socket: order hints (cachefs/hints.py)."""
+
+    def hint(request: dict, send, receive) -> dict:  # type: ignore[no-untyped-def]
+        board = core.hints
+        if board is None:
+            raise RuntimeError("order hints need the prefetch pool (--prefetch-workers > 0)")
+        session = board.open(str(request.get("label", ""))[:200], int(request.get("lookahead", 0)) or 1)
+        try:
+            send({"session": session.id, "budget_bytes": board.budget()})
+            while (message := receive()) is not None:
+                board.add(session, [str(p) for p in message.get("paths", ())], int(message.get("yielded", 0)))
+        except (OSError, ValueError):
+            pass  # the job went away mid-line (kill -9): the same as a clean end
+        finally:
+            board.close(session)
+        return {"session": session.id}
+
+    return {"hint": hint}
+
+
 def _warm_at_mount(core) -> None:  # type: ignore[no-untyped-def]
     job = core.start_warm(["/"])
     while not job.done:
@@ -411,7 +432,7 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     _limit_malloc_arenas()
     prepare_cache_dir(config)
     core = build_core(config)
-    control = ControlServer(address_for(config.mountpoint), control_handlers(core))
+    control = ControlServer(address_for(config.mountpoint), control_handlers(core), streams=control_streams(core))
     control.start()
     info = {"version": __version__, "source": config.source, "mountpoint": config.mountpoint,
             "cache_dir": config.cache_dir, "log_file": config.log_file,

@@ -25,9 +25,16 @@ Policies:
 
 In every policy, entries marked stale (their source file changed or vanished) go first.
 
+Pins (the sampler's order hint, cachefs/hints.py): a pinned entry is about to be read, so
+no policy takes it as a victim; only a hard budget cut (`shrink`) may. `admit_pinned`
+takes a hinted block in whatever the policy says: it replaces stale entries, then unpinned
+ones in access order (oldest first), because a block known to be read next is worth more
+than any guess about the rest. Pins are counted (two jobs may hint one block).
+
 Invariants, checked after every operation by tests/test_policy.py:
   - used == sum of the entries' sizes <= capacity;
-  - a key is in at most one state (live or stale), and stale keys are entries.
+  - a key is in at most one state (live or stale), and stale keys are entries;
+  - pinned keys are entries, and pinned_bytes == the sum of their sizes.
 """
 
 from __future__ import annotations
@@ -70,6 +77,8 @@ class Policy:
         self._entries: OrderedDict[Hashable, tuple[int, int, float]] = OrderedDict()
         self._stale: dict[Hashable, None] = {}  # insertion-ordered set
         self._unread: set[Hashable] = set()  # admitted by a guess (read-ahead), not read yet
+        self._pins: dict[Hashable, int] = {}  # key -> pin count (hinted, not read yet)
+        self.pinned_bytes = 0
         self.mean_reuse = 0.0  # EWMA of (tick of hit - tick of the entry's previous access)
         self._hits_seen = 0
         self._reuses: deque[int] = deque(maxlen=REUSE_SAMPLES)
@@ -190,6 +199,52 @@ class Policy:
             self._unread.add(key)
         return victims
 
+    def admit_pinned(self, key: Hashable, size: int, pin_limit: int) -> list[Hashable] | None:
+        """Admit a hinted block, pinned: room comes from stale entries, then unpinned ones
+        oldest access first, whatever the policy. None (refused) if the pins would exceed
+        `pin_limit` bytes or everything else is pinned."""
+        if key in self._entries:
+            self.remove(key)
+        if size > self.capacity or self.pinned_bytes + size > pin_limit:
+            return None
+        need = self.used + size - self.capacity
+        victims: list[Hashable] | None = []
+        if need > 0:
+            victims = self._lru_victims(need)
+            if victims is None:
+                return None
+            for victim in victims:
+                self.remove(victim)
+        self._entries[key] = (size, self._tick, self._clock())
+        self.used += size
+        self._unread.add(key)  # its first read is no reuse
+        self.pin(key)
+        return victims
+
+    def pin(self, key: Hashable) -> bool:
+        """Keep `key` until unpin(); False if it is not held."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return False
+        count = self._pins.get(key, 0)
+        if count == 0:
+            self.pinned_bytes += entry[0]
+        self._pins[key] = count + 1
+        return True
+
+    def unpin(self, key: Hashable) -> None:
+        count = self._pins.get(key)
+        if count is None:
+            return
+        if count > 1:
+            self._pins[key] = count - 1
+        else:
+            del self._pins[key]
+            self.pinned_bytes -= self._entries[key][0]
+
+    def is_pinned(self, key: Hashable) -> bool:
+        return key in self._pins
+
     def remove(self, key: Hashable) -> bool:
         entry = self._entries.pop(key, None)
         if entry is None:
@@ -197,6 +252,8 @@ class Policy:
         self.used -= entry[0]
         self._stale.pop(key, None)
         self._unread.discard(key)
+        if self._pins.pop(key, None) is not None:
+            self.pinned_bytes -= entry[0]
         return True
 
     def mark_stale(self, key: Hashable) -> None:
@@ -215,11 +272,13 @@ class Policy:
             freed += self._entries[key][0]
             victims.append(key)
             self.remove(key)
-        while freed < need and self._entries:
-            key = next(iter(self._entries))
-            freed += self._entries[key][0]
-            victims.append(key)
-            self.remove(key)
+        for pinned_too in (False, True):  # pins go last: a hard budget beats a hint
+            for key in [k for k in self._entries if pinned_too or k not in self._pins]:
+                if freed >= need:
+                    return victims
+                freed += self._entries[key][0]
+                victims.append(key)
+                self.remove(key)
         return victims
 
     # -- policy ------------------------------------------------------------------------
@@ -227,12 +286,26 @@ class Policy:
     def _victims(self, need: int) -> list[Hashable] | None:
         raise NotImplementedError
 
+    def _lru_victims(self, need: int) -> list[Hashable] | None:
+        """Stale entries, then unpinned ones oldest access first; None if they cannot free `need`."""
+        victims, freed = self._stale_victims(need)
+        chosen = set(victims)
+        for key, (size, _, _) in self._entries.items():
+            if freed >= need:
+                break
+            if key not in chosen and key not in self._pins:
+                victims.append(key)
+                freed += size
+        return victims if freed >= need else None
+
     def _stale_victims(self, need: int) -> tuple[list[Hashable], int]:
         victims: list[Hashable] = []
         freed = 0
         for key in self._stale:
             if freed >= need:
                 break
+            if key in self._pins:
+                continue
             victims.append(key)
             freed += self._entries[key][0]
         return victims, freed
@@ -266,21 +339,15 @@ class Policy:
         assert 0 <= self.used <= self.capacity, f"used {self.used} > capacity {self.capacity}"
         assert all(k in self._entries for k in self._stale), "a stale key is not an entry"
         assert all(k in self._entries for k in self._unread), "an unread key is not an entry"
+        assert all(k in self._entries for k in self._pins), "a pinned key is not an entry"
+        assert self.pinned_bytes == sum(self._entries[k][0] for k in self._pins), "pinned bytes drifted"
 
 
 class LRUPolicy(Policy):
     name = "lru"
 
     def _victims(self, need: int) -> list[Hashable] | None:
-        victims, freed = self._stale_victims(need)
-        chosen = set(victims)
-        for key, (size, _, _) in self._entries.items():
-            if freed >= need:
-                break
-            if key not in chosen:
-                victims.append(key)
-                freed += size
-        return victims
+        return self._lru_victims(need)
 
 
 class KeepPolicy(Policy):
@@ -295,7 +362,7 @@ class KeepPolicy(Policy):
         for key, (size, _, _) in self._entries.items():
             if freed >= need:
                 break
-            if key in chosen:
+            if key in chosen or key in self._pins:
                 continue
             if not self.is_idle(key):
                 break  # entries are in access order: nothing after this one is idle either

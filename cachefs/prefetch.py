@@ -5,6 +5,7 @@ fetch already running for the same block (started by this pool) is shared throug
 core's single-flight map instead of being issued twice. The pool runs what is left, best
 priority first:
 
+    HINT (0)       the files a job said it reads next (cachefs/hints.py)
     READAHEAD (1)  blocks ahead of a sequential reader inside a file
     DIR (2)        files of a directory the job is reading, in sorted order
     WARM (3)       `cachefs warm` and `--warm`, in the store's order
@@ -29,7 +30,7 @@ from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
 
-READAHEAD, DIR, WARM = 1, 2, 3
+HINT, READAHEAD, DIR, WARM = 0, 1, 2, 3
 
 Task = Callable[[], object]
 # A feeder returns (key, task) or None when it has nothing (now).
@@ -111,9 +112,14 @@ class Prefetcher:
     def step(self) -> bool:
         """Run the best available task in this thread; False if there was none."""
         with self._lock:
-            task = self._pop()
+            # a feeder of better priority than every queued task goes first (order hints)
+            feeder_first = bool(self._feeders) and (not self._heap or self._feeders[0][0] < self._heap[0][0])
+            task = None if feeder_first else self._pop()
         if task is None:
             task = self._from_feeders()  # outside the lock: feeders may list directories
+        if task is None and feeder_first:
+            with self._lock:
+                task = self._pop()
         if task is None:
             return False
         try:

@@ -62,22 +62,50 @@ class MemoryTier:
         (read-ahead never pushes out data for a guess)."""
         with self._lock:
             victims = self.policy.admit(key, len(data), evict)
-            if victims is None:
-                if key not in self.policy:  # a refused re-put also dropped the old copy
-                    self._entries.pop(key, None)
-            else:
-                for victim in victims:
-                    del self._entries[victim]  # type: ignore[arg-type]
-                self._entries[key] = data
+            self._store(key, data, victims)
+        return self._admitted(victims, "ram.refused" if evict else "ram.no_room")
+
+    def put_pinned(self, key: bytes, data: bytes, pin_limit: int) -> bool:
+        """Store a hinted block, pinned until unpin(): it replaces unpinned blocks, oldest
+        access first, whatever the policy (see Policy.admit_pinned). False if refused."""
+        with self._lock:
+            victims = self.policy.admit_pinned(key, len(data), pin_limit)
+            self._store(key, data, victims)
+        return self._admitted(victims, "ram.refused")
+
+    def _store(self, key: bytes, data: bytes, victims: list | None) -> None:
+        """Apply the policy's decision (lock held)."""
         if victims is None:
-            self._stats.incr("ram.refused" if evict else "ram.no_room")
+            if key not in self.policy:  # a refused re-put also dropped the old copy
+                self._entries.pop(key, None)
+            return
+        for victim in victims:
+            del self._entries[victim]
+        self._entries[key] = data
+
+    def _admitted(self, victims: list | None, refused: str) -> bool:
+        if victims is None:
+            self._stats.incr(refused)
             return False
         if victims:
             self._stats.incr("ram.evictions", len(victims))
             if self.on_evict is not None:
                 for victim in victims:
-                    self.on_evict(victim)  # type: ignore[arg-type]
+                    self.on_evict(victim)
         return True
+
+    def pin(self, key: bytes) -> bool:
+        """Hold a cached block until unpin(); False if it is not cached."""
+        with self._lock:
+            return self.policy.pin(key)
+
+    def unpin(self, key: bytes) -> None:
+        with self._lock:
+            self.policy.unpin(key)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.policy.pinned_bytes
 
     def has_room(self, size: int) -> bool:
         return self.policy.has_room(size)

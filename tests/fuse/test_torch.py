@@ -43,3 +43,114 @@ def test_dataloader_with_workers_reads_the_same_samples_through_the_mount(tmp_pa
     for _, target in mounted.samples:
         counts[target] = counts.get(target, 0) + 1
     assert counts == {0: 25, 1: 25, 2: 25, 3: 25}
+
+
+# -- order hints ------------------------------------------------------------------------------
+
+from cachefs.torch import HintedSampler  # noqa: E402
+from tests.fuse.conftest import stats  # noqa: E402
+
+
+def drop_caches():
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:  # every read of the epoch reaches cachefs
+        f.write("3")
+
+
+def ram_counts(mp):
+    s = stats(mp)
+    return s["ram"].get("hits", 0), s["ram"].get("misses", 0), s.get("hint", {})
+
+
+def hinted_epoch(dataset, seed, hinted=True, stop_after=None):
+    sampler = torch.utils.data.RandomSampler(dataset, generator=torch.Generator().manual_seed(seed))
+    if hinted:
+        sampler = HintedSampler(sampler, dataset, lookahead=256)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=8, sampler=sampler, num_workers=2,
+                                         collate_fn=lambda batch: batch)
+    out = []
+    for i, batch in enumerate(loader):
+        out.extend(batch)
+        if stop_after is not None and i + 1 >= stop_after:
+            break
+    return out
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_hinted_sampler_over_a_dataset_4x_ram_reads_from_ram_and_the_same_samples(tmp_path, mounts):
+    src = tmp_path / "src"
+    make_tree(src, classes=4, per_class=60)                  # 240 files, about 18 MB
+    size = sum(f.stat().st_size for f in src.rglob("*.JPEG"))
+    mp = mounts.cachefs(str(src), extra=("--ram-size", str(size // 4), "--disk-size", "256MiB"))
+    direct, mounted = ImageFolder(str(src)), ImageFolder(str(mp))
+    assert hinted_epoch(mounted, 1, hinted=False) == hinted_epoch(direct, 1, hinted=False)  # fills NVMe
+    drop_caches()
+    h0, m0, _ = ram_counts(mp)
+    assert hinted_epoch(mounted, 2, hinted=False) == hinted_epoch(direct, 2, hinted=False)
+    h1, m1, _ = ram_counts(mp)
+    plain = (h1 - h0) / (h1 - h0 + m1 - m0)
+    drop_caches()
+    assert hinted_epoch(mounted, 3) == hinted_epoch(direct, 3, hinted=False)
+    h2, m2, hint = ram_counts(mp)
+    hinted = (h2 - h1) / (h2 - h1 + m2 - m1)
+    assert plain < 0.5 and hinted > 0.8, (plain, hinted, hint)   # measured: 0.12-0.17 against 1.0
+    assert hint["used"] > 120 and hint["from_disk"] > 120
+    assert hint["sessions"] == 0 and hint["pinned_bytes"] == 0   # the epoch's session ended
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create")
+def test_an_epoch_ended_early_and_a_killed_job_release_their_pins(tmp_path, mounts):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "src"
+    make_tree(src, classes=4, per_class=60)
+    mp = mounts.cachefs(str(src), extra=("--ram-size", "8MiB"))
+    mounted = ImageFolder(str(mp))
+    assert len(hinted_epoch(mounted, 1, stop_after=3)) == 24          # break after 3 batches
+    deadline = time.monotonic() + 10
+    while (hint := ram_counts(mp)[2])["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hint["sessions"] == 0 and hint["pinned_bytes"] == 0
+    assert hint["paths"] >= 24 and hint["sessions_opened"] == 1
+    # a job killed while its session is open (hinted, nothing read)
+    job = subprocess.Popen([sys.executable, "-c", f"""
+import sys, time
+sys.path.insert(0, {os.getcwd()!r})
+import torch
+from cachefs.torch import HintedSampler, ImageFolder
+ds = ImageFolder({str(mp)!r})
+it = iter(HintedSampler(torch.utils.data.SequentialSampler(ds), ds, lookahead=200))
+next(it)
+print("hinting", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert job.stdout.readline().strip() == "hinting"
+        deadline = time.monotonic() + 10
+        while ram_counts(mp)[2]["pinned_bytes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ram_counts(mp)[2]["pinned_bytes"] > 0 and ram_counts(mp)[2]["sessions"] == 1
+    finally:
+        job.send_signal(signal.SIGKILL)
+        job.wait()
+    deadline = time.monotonic() + 10
+    while (hint := ram_counts(mp)[2])["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert hint["sessions"] == 0 and hint["pinned_bytes"] == 0
+    # and a new job hints as before, with the same samples as unhinted
+    assert hinted_epoch(mounted, 4) == hinted_epoch(ImageFolder(str(src)), 4, hinted=False)
+
+
+def test_hinted_sampler_off_cachefs_is_the_plain_sampler(tmp_path, caplog):
+    src = tmp_path / "src"
+    make_tree(src, classes=2, per_class=5)
+    ds = ImageFolder(str(src))
+    order = list(torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(3)))
+    hinted = HintedSampler(torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(3)), ds)
+    assert list(hinted) == order and len(hinted) == 10
+    assert "order hints off" in caplog.text and "not on a cachefs mount" in caplog.text
+    batches = HintedSampler(torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(ds), 4, False), ds)
+    assert list(batches) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]

@@ -1,0 +1,309 @@
+"""Order hints: a job tells the daemon which files it will read next, and the daemon fetches
+that window into RAM ahead of the reads (opt-in; cachefs.torch.HintedSampler sends them).
+
+No transparent cache can guess a shuffled epoch's order; the sampler knows it. Each job's
+hints are one *session*, tied to one control-socket connection:
+
+    client -> {"op": "hint", "lookahead": N, "label": "..."}       opens the session
+    daemon -> {"session": id, "budget_bytes": B}                   (not final)
+    client -> {"paths": ["/a/1.jpg", ...], "yielded": k}           as its sampler advances
+    client closes the connection (epoch over, job gone, kill -9)   -> the session ends
+
+`yielded` is how many samples the sampler has handed out; paths arrive in the order the
+job will read them, up to `lookahead` samples ahead of it.
+
+The daemon (HintBoard):
+  - fetches each session's paths in order, on the prefetch pool, ahead of everything but
+    demand misses, into RAM from NVMe or the source (a source fetch is also offered to
+    NVMe, as a demand miss would be);
+  - pins each block it fetched until the job reads it: no policy evicts a pinned block,
+    and a hinted block replaces unpinned ones (oldest access first) whatever the policy;
+  - keeps at most `budget` bytes pinned: HINT_RAM_SHARE of the RAM tier, split evenly
+    between the live sessions, so it never evicts what it fetched before it is read;
+  - releases a pin when the block is read, when the job's sampler is `lookahead` samples
+    past it (the job skipped it), and when the session ends: an epoch cut short or a
+    crashed job leaves nothing pinned.
+Without a session nothing changes: the only cost on the read path is one attribute test.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import logging
+import socket
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from cachefs.blocks import FileId, block_extent, block_key
+
+if TYPE_CHECKING:
+    from cachefs.core import Core
+
+log = logging.getLogger(__name__)
+
+# Share of the RAM tier that hinted, not-yet-read blocks may hold, over all sessions. The
+# rest keeps blocks read recently (two jobs on one dataset, a re-read), and a window this
+# deep is far ahead of any reader: the pool fetches faster than a job consumes.
+HINT_RAM_SHARE = 0.5
+
+# Paths a session may queue in the daemon; a client past this is cut off at the oldest.
+MAX_QUEUED_PATHS = 1 << 16
+
+# Default samples a HintedSampler tells ahead of what it has handed out.
+DEFAULT_LOOKAHEAD = 2048
+
+# Paths per message from the client.
+CHUNK = 64
+
+
+class HintSession:
+    def __init__(self, sid: int, label: str, lookahead: int):
+        self.id = sid
+        self.label = label
+        self.lookahead = max(1, lookahead)
+        self.queue: deque[tuple[int, str]] = deque()  # (position, path) not fetched yet
+        self.received = 0  # positions given out so far
+        self.yielded = 0  # samples the job's sampler has handed out
+        self.holds: dict[bytes, tuple[int, int]] = {}  # key -> (position, size): pinned for us
+        self.pinned = 0  # bytes
+        self.reserved = 0  # bytes being fetched for this session
+        self.closed = False
+        self.full = False  # a fetch found the window full: wait for a read to free some
+
+
+class HintBoard:
+    """The daemon's side: sessions, their windows, and the pins they hold."""
+
+    def __init__(self, core: Core, share: float = HINT_RAM_SHARE):
+        self._core = core
+        self._ram = core.cache.ram
+        self.limit = int(self._ram.capacity * share)
+        self._lock = threading.Lock()
+        self._sessions: dict[int, HintSession] = {}
+        self._holders: dict[bytes, list[HintSession]] = {}  # key -> sessions holding a pin
+        self._ids = itertools.count(1)
+        self._turn = 0
+        # Read by Core on every block read: True while any pin is held by any session.
+        self.holding = False
+        stats = core.stats
+        stats.gauge("hint.sessions", lambda: len(self._sessions))
+        stats.gauge("hint.pinned_bytes", lambda: sum(s.pinned for s in list(self._sessions.values())))
+        stats.gauge("hint.queued", lambda: sum(len(s.queue) for s in list(self._sessions.values())))
+
+    # -- sessions ----------------------------------------------------------------------
+
+    def open(self, label: str = "", lookahead: int = DEFAULT_LOOKAHEAD) -> HintSession:
+        with self._lock:
+            session = HintSession(next(self._ids), label, lookahead)
+            self._sessions[session.id] = session
+        self._core.stats.incr("hint.sessions_opened")
+        return session
+
+    def budget(self) -> int:
+        """Bytes one session may hold pinned now."""
+        return self.limit // max(1, len(self._sessions))
+
+    def add(self, session: HintSession, paths: Iterable[str], yielded: int) -> None:
+        """The job's next paths, in read order, and how far its sampler has got."""
+        paths = list(paths)
+        released: list[bytes] = []
+        with self._lock:
+            if session.closed:
+                return
+            for path in paths:
+                session.queue.append((session.received, path))
+                session.received += 1
+            while len(session.queue) > MAX_QUEUED_PATHS:
+                session.queue.popleft()
+                self._core.stats.incr("hint.skipped")
+            session.yielded = max(session.yielded, int(yielded))
+            # Pins the sampler has left `lookahead` samples behind: the job skipped them.
+            horizon = session.yielded - session.lookahead
+            for key, (position, _) in list(session.holds.items()):
+                if position < horizon:
+                    self._release(session, key)
+                    released.append(key)
+        self._core.stats.incr("hint.paths", len(paths))
+        if released:
+            self._core.stats.incr("hint.expired", len(released))
+        self._wake()
+
+    def close(self, session: HintSession) -> None:
+        """The job went away (or its epoch ended): drop its queue and every pin it holds."""
+        with self._lock:
+            session.closed = True
+            session.queue.clear()
+            self._sessions.pop(session.id, None)
+            unread = len(session.holds)
+            for key in list(session.holds):
+                self._release(session, key)
+        if unread:
+            self._core.stats.incr("hint.expired", unread)
+        self._wake()
+
+    def _release(self, session: HintSession, key: bytes) -> None:
+        """Drop one session's pin of `key` (lock held)."""
+        _, size = session.holds.pop(key)
+        session.pinned -= size
+        session.full = False
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.remove(session)
+            if not holders:
+                del self._holders[key]
+        self._ram.unpin(key)
+        self.holding = bool(self._holders)
+
+    def _wake(self) -> None:
+        if self._core.prefetcher is not None:
+            self._core.prefetcher.wake()
+
+    # -- the read path -----------------------------------------------------------------
+
+    def on_read(self, key: bytes) -> None:
+        """A job read `key`: one session's pin of it is used up (the one hinted earliest)."""
+        with self._lock:
+            holders = self._holders.get(key)
+            if not holders:
+                return
+            session = min(holders, key=lambda s: s.holds[key][0])
+            was_full = session.full or session.pinned >= self.budget()
+            self._release(session, key)
+        self._core.stats.incr("hint.used")
+        if was_full:
+            self._wake()
+
+    # -- fetching (a prefetch feeder) --------------------------------------------------
+
+    def __call__(self) -> tuple[object, Callable[[], object]] | None:
+        """The next path of the next session with room in its budget, round robin."""
+        with self._lock:
+            sessions = [s for s in self._sessions.values() if s.queue]
+            if not sessions:
+                return None
+            budget = self.limit // len(self._sessions)
+            for i in range(len(sessions)):
+                session = sessions[(self._turn + i) % len(sessions)]
+                if session.full or session.pinned + session.reserved >= budget:
+                    continue
+                while session.queue:
+                    position, path = session.queue.popleft()
+                    if position < session.yielded - session.lookahead:
+                        self._core.stats.incr("hint.skipped")  # the job passed it while queued
+                        continue
+                    self._turn += i + 1
+                    return ("hint", session.id, position), functools.partial(self._fetch, session, position, path)
+        return None
+
+    def _fetch(self, session: HintSession, position: int, path: str) -> None:
+        core = self._core
+        try:
+            fid = core.file_id(path)
+        except OSError:
+            core.stats.incr("hint.errors")
+            return
+        try:
+            for index in range(-(-fid.size // core.block_size)):
+                if session.closed:
+                    return
+                if not self._fetch_block(session, position, fid, index):
+                    with self._lock:  # the window is full: this file waits at the front
+                        if not session.closed:
+                            session.queue.appendleft((position, path))
+                    return
+        except OSError as exc:  # the job's own read will see (and report) the error
+            core.stats.incr("hint.errors")
+            log.debug("hinted fetch of %s failed: %s", path, exc)
+
+    def _fetch_block(self, session: HintSession, position: int, fid: FileId, index: int) -> bool:
+        """Pin one block for `session`; False if its window is full (the file waits)."""
+        core = self._core
+        key = block_key(core.namespace, fid, index, core.block_size)
+        _, length = block_extent(index, fid.size, core.block_size)
+        with self._lock:
+            if session.closed or key in session.holds:
+                return True
+            # Bytes in flight are reserved, so that concurrent fetches (one per pool
+            # thread) never take the session past its budget, nor RAM past the pin limit.
+            if session.pinned + session.reserved + length > self.budget() and session.pinned + session.reserved > 0:
+                session.full = True  # until the job reads one of its blocks
+                core.stats.incr("hint.window_full")
+                return False
+            session.reserved += length
+        try:
+            outcome = core.fetch_pinned(fid, index, self.limit)
+        finally:
+            with self._lock:
+                session.reserved -= length
+        if outcome == "inflight":
+            return True  # a reader is fetching it right now: it has it first
+        if outcome == "refused":  # RAM is all pinned (by other sessions): wait
+            with self._lock:
+                session.full = True
+            return False
+        with self._lock:
+            if session.closed or key in session.holds:
+                self._ram.unpin(key)  # the session ended, or pinned it twice, meanwhile
+                return True
+            session.holds[key] = (position, length)
+            session.pinned += length
+            self._holders.setdefault(key, []).append(session)
+            self.holding = True
+        core.stats.add_many({f"hint.from_{outcome}": 1, "hint.bytes": length})
+        return True
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [{"session": s.id, "label": s.label, "queued": len(s.queue), "pinned_bytes": s.pinned,
+                     "received": s.received, "yielded": s.yielded} for s in self._sessions.values()]
+
+
+class HintClient:
+    """One session, from the job's side. Every failure (no cachefs at the path, an old
+    daemon, the mount gone, a daemon too slow to take the hints) turns hinting off for the
+    rest of the session with one warning: a hint is never worth stopping the job."""
+
+    def __init__(self, address: str, lookahead: int = DEFAULT_LOOKAHEAD, label: str = "",
+                 timeout: float = 2.0):
+        self.session: int | None = None
+        self.budget = 0
+        self._sock: socket.socket | None = None
+        try:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(timeout)
+            sock.connect(address)
+            sock.sendall(json.dumps({"op": "hint", "lookahead": lookahead, "label": label}).encode() + b"\n")
+            reply = json.loads(sock.makefile("rb").readline() or b"{}")
+            if "session" not in reply:
+                sock.close()
+                raise OSError(reply.get("error", "no answer"))
+            self.session, self.budget = int(reply["session"]), int(reply.get("budget_bytes", 0))
+            self._sock = sock
+        except (OSError, ValueError) as exc:
+            log.warning("cachefs: order hints off: %s", exc)
+
+    @property
+    def active(self) -> bool:
+        return self._sock is not None
+
+    def send(self, paths: list[str], yielded: int) -> bool:
+        if self._sock is None:
+            return False
+        try:
+            self._sock.sendall(json.dumps({"paths": paths, "yielded": yielded}).encode() + b"\n")
+            return True
+        except OSError as exc:
+            log.warning("cachefs: order hints off: %s", exc)
+            self.close()
+            return False
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
