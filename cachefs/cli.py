@@ -70,6 +70,27 @@ def _checked(check: Callable[[str], object], what: str) -> Callable[[str], str]:
     return convert
 
 
+def _positive(what: str, kind: type = int) -> Callable[[str], Any]:
+    """An argparse type for a positive number (int: at least 1; float: above 0, finite)."""
+    noun = "a whole number" if kind is int else "a number"
+
+    def convert(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {what} {text!r}: expected {noun}") from None
+        if not 0 < value < float("inf"):
+            raise argparse.ArgumentTypeError(f"invalid {what} {text!r}: must be positive")
+        return value
+
+    return convert
+
+
+def _check_transform(text: str) -> None:
+    if text not in ("standard", "eval", "none") and not all(text.partition(":")[::2]):
+        raise ValueError(f"{text!r}: use standard, eval, none or MODULE:NAME")
+
+
 def _parse_metrics_addr(text: str) -> object:
     from cachefs.metrics import parse_metrics_addr  # imports no prometheus-client
 
@@ -162,6 +183,27 @@ def build_parser() -> argparse.ArgumentParser:
                                    "runs; run it again to resume. Ctrl-C stops it.")
     w.add_argument("paths", nargs="+", metavar="PATH")
     w.add_argument("--json", action="store_true", help="print the final report as JSON")
+
+    d = sub.add_parser("diagnose", help="is a training input pipeline storage-bound, CPU-bound, or fine?",
+                       description="Measure, on the ImageFolder tree at PATH, raw read throughput with N processes "
+                                   "and a torch DataLoader (decode + transforms, no model) with N workers, while "
+                                   "sampling CPU and I/O; then name the bottleneck, with the figures and advice. "
+                                   "Reads about 2 x SECONDS worth of the dataset. Needs the torch extra.")
+    d.add_argument("path", metavar="PATH", help="the dataset root (PATH/<class>/<image>), on any filesystem")
+    d.add_argument("--workers", type=_positive("--workers"), default=None, metavar="N",
+                   help="reader processes and DataLoader workers (default: the CPU count, at most 8)")
+    d.add_argument("--batch-size", type=_positive("--batch-size"), default=64, metavar="B", help="default 64")
+    d.add_argument("--seconds", type=_duration("--seconds"), default=10.0, metavar="S",
+                   help="length of each of the two measurements (default 10)")
+    d.add_argument("--transform", default="standard", type=_checked(_check_transform, "--transform"),
+                   metavar="NAME",
+                   help="standard (RandomResizedCrop 224, flip, normalize; the default), eval (resize, "
+                        "center crop), none (bytes only: GPU decoding), or MODULE:NAME of your own callable "
+                        "taking a PIL image")
+    d.add_argument("--target", type=_positive("--target", float), default=None, metavar="IMG/S",
+                   help="images/s your training step consumes; the pipeline is fine at or above it "
+                        "(default 1000)")
+    d.add_argument("--json", action="store_true", help="print the report as JSON")
 
     u = sub.add_parser("umount", aliases=["unmount"], help="unmount a cachefs mount",
                        description="Unmount and wait for the daemon to finish writing the cache.")
@@ -431,6 +473,26 @@ def _cmd_warm(args: argparse.Namespace) -> int:
     return code
 
 
+def _cmd_diagnose(args: argparse.Namespace) -> int:
+    import os
+
+    from cachefs import diagnose
+
+    if not os.path.exists(args.path):
+        raise CachefsError(f"{args.path} does not exist")
+    diagnose.check_torch()
+    if args.seconds <= 0:
+        raise CachefsError("--seconds must be more than 0")
+    workers = args.workers or min(8, os.cpu_count() or 1)
+    target = args.target or diagnose.DEFAULT_TARGET
+    try:
+        report = diagnose.diagnose(args.path, workers, args.batch_size, args.seconds, args.transform, target)
+    except ValueError as exc:  # a transform that does not load
+        raise CachefsError(str(exc)) from None
+    print(json.dumps(report, indent=2) if args.json else diagnose.format_report(report))
+    return 0
+
+
 def _cmd_umount(args: argparse.Namespace) -> int:
     from cachefs.mount import unmount
 
@@ -442,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     commands = {"mount": _cmd_mount, "stats": _cmd_stats, "umount": _cmd_umount, "unmount": _cmd_umount,
-                "warm": _cmd_warm}
+                "warm": _cmd_warm, "diagnose": _cmd_diagnose}
     if args.command is None:
         parser.print_help()
         return 2

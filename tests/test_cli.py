@@ -88,6 +88,11 @@ def test_bad_mount_requests(case, tree, capsys):
     (["mount", "s", "m", "--metrics-addr", "localhost:http"], "invalid --metrics-addr"),
     (["stats", "m", "--watch", "soon"], "invalid --watch"),
     (["mount", "s", "m", "--policy", "fifo"], "invalid --policy"),
+    (["diagnose", "d", "--workers", "0"], "invalid --workers '0'"),
+    (["diagnose", "d", "--batch-size", "many"], "invalid --batch-size"),
+    (["diagnose", "d", "--target", "-5"], "invalid --target"),
+    (["diagnose", "d", "--transform", "sepia"], "invalid --transform"),
+    (["diagnose", "d", "--seconds", "forever"], "invalid --seconds"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv, needle, capsys):
     with pytest.raises(SystemExit) as info:

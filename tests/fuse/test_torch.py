@@ -1,6 +1,7 @@
 """A real PyTorch pipeline through the mount: a DataLoader with worker processes over an
 ImageFolder tree yields the same samples (bytes and class indices) as over the source."""
 
+import json
 import os
 import random
 
@@ -154,3 +155,20 @@ def test_hinted_sampler_off_cachefs_is_the_plain_sampler(tmp_path, caplog):
     assert "order hints off" in caplog.text and "not on a cachefs mount" in caplog.text
     batches = HintedSampler(torch.utils.data.BatchSampler(torch.utils.data.SequentialSampler(ds), 4, False), ds)
     assert list(batches) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_diagnose_on_a_mount_reports_the_cache_over_the_run(tmp_path, mounts, capsys):
+    from cachefs.cli import main
+    from tools.mkdataset import build
+
+    src = tmp_path / "src"
+    build(str(src), classes=2, per_class=20, seed=2, mean_kb=20, progress=False)
+    mp = mounts.cachefs(str(src))
+    assert main(["diagnose", str(mp), "--seconds", "1", "--workers", "2", "--batch-size", "4", "--json"]) == 0
+    report = json.loads(capsys.readouterr()[0])
+    cache = report["cache"]
+    assert cache["mountpoint"] == str(mp)
+    assert cache["source_bytes"] > 0 and cache["ram_hits"] + cache["misses"] > 0   # a cold mount
+    assert 0 <= cache["block_hit_rate"] <= 1
+    assert main(["diagnose", str(mp), "--seconds", "1", "--workers", "2", "--batch-size", "4"]) == 0
+    assert "cachefs        " + str(mp) in capsys.readouterr()[0]
