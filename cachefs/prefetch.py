@@ -79,10 +79,14 @@ class Prefetcher:
         with self._lock:
             self._feeders = [f for f in self._feeders if f[2] is not feeder]
 
-    def wake(self) -> None:
-        """A feeder has work again."""
+    def wake(self, one: bool = False) -> None:
+        """A feeder has work again: for all idle workers, or (one=True) for one task's worth
+        (a hint window that moved by one file must not wake sixteen threads)."""
         with self._lock:
-            self._wake.notify_all()
+            if one:
+                self._wake.notify()
+            else:
+                self._wake.notify_all()
 
     # -- running -------------------------------------------------------------------------
 

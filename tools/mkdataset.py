@@ -38,7 +38,7 @@ def make_jpeg(rng: random.Random, mean_kb: float) -> bytes:
     w = rng.randint(300, 500)
     h = int(w * rng.choice((0.75, 1.0, 1.333, 0.667)))
     # a smooth random picture: a tiny random image upscaled
-    base = Image.frombytes("RGB", (8, 6), rng.randbytes(8 * 6 * 3)).resize((w, h), Image.BICUBIC)
+    base = Image.frombytes("RGB", (8, 6), rng.randbytes(8 * 6 * 3)).resize((w, h), Image.Resampling.BICUBIC)
     # fine detail: noise whose strength sets the file size
     noise = Image.frombytes("RGB", (w, h), rng.randbytes(w * h * 3))
     # 1.1: the curve flattens at the top, which pulls the mean down by about a tenth
