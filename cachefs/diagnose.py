@@ -428,8 +428,10 @@ def format_report(r: dict[str, Any]) -> str:
 
 
 def check_torch() -> None:
-    """Raise a CachefsError telling how to get PyTorch if it does not import."""
+    """Raise a CachefsError telling how to get PyTorch and Pillow if they do not import."""
     try:
+        import PIL  # noqa: F401
         import torch  # noqa: F401
-    except ImportError:
-        raise CachefsError("cachefs diagnose needs PyTorch: pip install 'cachefs[torch]'") from None
+    except ImportError as exc:
+        raise CachefsError(f"cachefs diagnose needs PyTorch and Pillow ({exc.name} is missing): "
+                           "pip install 'cachefs[torch]'") from None

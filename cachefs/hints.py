@@ -92,6 +92,7 @@ class HintBoard:
         self._holders: dict[bytes, list[HintSession]] = {}  # key -> sessions holding a pin
         self._ids = itertools.count(1)
         self._turn = 0
+        self._fetching: dict[bytes, bool] = {}  # key being fetched -> a job read it meanwhile
         # Read by Core on every block read: True while any pin is held by any session.
         self.holding = False
         stats = core.stats
@@ -174,6 +175,8 @@ class HintBoard:
         with self._lock:
             holders = self._holders.get(key)
             if not holders:
+                if key in self._fetching:
+                    self._fetching[key] = True  # read off the fetch itself, before its pin lands
                 return
             session = min(holders, key=lambda s: s.holds[key][0])
             was_full = session.full or session.pinned >= self.budget()
@@ -254,11 +257,14 @@ class HintBoard:
                 core.stats.incr("hint.window_full")
                 return False
             session.reserved += length
+            self._fetching.setdefault(key, False)
+        read_meanwhile = False
         try:
             outcome = core.fetch_pinned(fid, index, self.limit)
         finally:
             with self._lock:
                 session.reserved -= length
+                read_meanwhile = bool(self._fetching.pop(key, False))
         if outcome == "inflight":
             return True  # a reader is fetching it right now: it has it first
         if outcome == "refused":  # RAM is all pinned (by other sessions): wait
@@ -266,8 +272,12 @@ class HintBoard:
                 session.full = True
             return False
         with self._lock:
-            if session.closed or key in session.holds:
-                self._ram.unpin(key)  # the session ended, or pinned it twice, meanwhile
+            if session.closed or key in session.holds or read_meanwhile:
+                # the session ended, or pinned it twice, or the job already read it (it
+                # waited for this very fetch): nothing to hold
+                self._ram.unpin(key)
+                if read_meanwhile:
+                    core.stats.incr("hint.used")
                 return True
             session.holds[key] = (position, length)
             session.pinned += length

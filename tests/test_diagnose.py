@@ -109,3 +109,29 @@ def test_bad_paths_are_one_line_and_exit_2(tmp_path, capsys, make, needle):
     err = capsys.readouterr()[1]
     assert needle in err and err.count("\n") == 1, err
     assert os.listdir(tmp_path) == [path.name] or not path.exists()
+
+
+def test_the_daemon_and_the_cli_never_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, cachefs.cli, cachefs.mount, cachefs.core, cachefs.fuse_ops, cachefs.hints, "
+            "cachefs.diagnose; print(sorted(m for m in ('torch', 'PIL', 'torchvision') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_without_torch_diagnose_says_how_to_get_it(tmp_path, capsys, monkeypatch):
+    import builtins
+
+    real = builtins.__import__
+
+    def no_torch(name, *a, **k):
+        if name == "torch":
+            raise ImportError("No module named 'torch'", name="torch")
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_torch)
+    assert main(["diagnose", str(tmp_path)]) == 2
+    err = capsys.readouterr()[1]
+    assert "needs PyTorch and Pillow (torch is missing): pip install 'cachefs[torch]'" in err

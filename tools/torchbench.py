@@ -11,8 +11,9 @@ from slowfs and through cachefs over it, a fresh cache per repeat: images/s per 
 the ratio, and the daemon's peak RSS.
 
 hint: HintedSampler against the plain sampler, each on its own fresh mount with the same
-seeds, the page cache dropped before every epoch (a dataset larger than RAM cannot live in
-it either):
+seeds, the page cache of the mount's files and of the NVMe tier's block files dropped
+before every epoch (a dataset larger than RAM cannot live in it either; the tier's small
+index stays cached, as it would):
   ram   the dataset is 4x the RAM tier and fits the NVMe tier, which `cachefs warm` fills
         first; every epoch is measured (RAM-tier hit rate, images/s);
   both  the dataset is larger than both tiers (RAM 1/8, NVMe 1/4 of it) over slowfs;
@@ -28,6 +29,7 @@ disk with a GPU-decoding pipeline, bytes only (fine).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -36,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -79,13 +82,21 @@ class Decode:
         return self.fn(img) if self.fn is not None else img
 
 
-def dataset_at(work: str, classes: int, per_class: int, mean_kb: float = 110.0) -> tuple[str, int]:
-    data = os.path.join(work, f"dataset-{classes}x{per_class}")
-    if not os.path.isdir(data):
-        print(f"making {classes * per_class} JPEGs in {data}", file=sys.stderr)
-        build(data, classes, per_class, seed=0, mean_kb=mean_kb, progress=sys.stderr.isatty())
-    total = sum(e.stat().st_size for d in os.scandir(data) for e in os.scandir(d.path))
-    return data, total
+@contextlib.contextmanager
+def workspace(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
+    """(work dir, dataset dir, dataset bytes); the dataset is made once per --workdir, and
+    a temporary work dir is removed at the end unless --keep."""
+    work = args.workdir or tempfile.mkdtemp(prefix="cachefs-torchbench-")
+    data = os.path.join(work, f"dataset-{args.classes}x{args.per_class}")
+    try:
+        if not os.path.isdir(data):
+            print(f"making {args.classes * args.per_class} JPEGs in {data}", file=sys.stderr)
+            build(data, args.classes, args.per_class, seed=0, mean_kb=110.0, progress=sys.stderr.isatty())
+        total = sum(e.stat().st_size for d in os.scandir(data) for e in os.scandir(d.path))
+        yield work, data, total
+    finally:
+        if not args.workdir and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def epoch(root: str, seed: int, workers: int, batch_size: int, transform: str, hinted: bool = False) -> dict:
@@ -100,6 +111,26 @@ def epoch(root: str, seed: int, workers: int, batch_size: int, transform: str, h
     images = sum(len(targets) for _, targets in loader)
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "images": images, "images_per_s": images / seconds}
+
+
+def evict_data(*roots: str) -> int:
+    """Drop the page cache of every file under `roots` (the mount's files, the NVMe tier's
+    block files), and only those: a machine whose RAM cannot hold the dataset keeps its hot
+    small files (the NVMe tier's index, the programs) cached, which drop_caches would not."""
+    n = 0
+    for root in roots:
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                try:
+                    fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    n += 1
+                finally:
+                    os.close(fd)
+    return n
 
 
 def ram_rates(before: dict, after: dict) -> dict:
@@ -119,30 +150,24 @@ def med(rows: list[dict], key: str) -> float:
 # -- loader ----------------------------------------------------------------------------------
 
 def cmd_loader(args: argparse.Namespace) -> int:
-    work = args.workdir or tempfile.mkdtemp(prefix="cachefs-torchbench-")
-    data, total = dataset_at(work, args.classes, args.per_class)
     results: dict[str, dict[int, list[dict]]] = {"direct": {}, "cachefs": {}}
     rss = []
-    try:
-        with slowfs(data, os.path.join(work, "slow"), latency=args.latency) as slow:
-            for rep in range(args.repeats):
-                print(f"repeat {rep + 1}/{args.repeats}: direct", file=sys.stderr)
-                for e in range(1, args.epochs + 1):
-                    r = epoch(slow, rep * 100 + e, args.workers, args.batch_size, args.transform)
-                    results["direct"].setdefault(e, []).append(r)
-                print(f"repeat {rep + 1}/{args.repeats}: cachefs", file=sys.stderr)
-                mp, cache = os.path.join(work, "mnt"), os.path.join(work, f"cache{rep}")
-                shutil.rmtree(cache, ignore_errors=True)
-                with cachefs(slow, mp, cache, ram_size=args.ram_size, disk_size=args.disk_size):
-                    with Sampler(cachefs_stats(mp)["info"]["pid"], None) as sampler:
-                        for e in range(1, args.epochs + 1):
-                            r = epoch(mp, rep * 100 + e, args.workers, args.batch_size, args.transform)
-                            results["cachefs"].setdefault(e, []).append(r)
-                    rss.append(sampler.rss)
-                shutil.rmtree(cache, ignore_errors=True)
-    finally:
-        if not args.workdir and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+    with workspace(args) as (work, data, total), slowfs(data, os.path.join(work, "slow"), latency=args.latency) as slow:
+        for rep in range(args.repeats):
+            print(f"repeat {rep + 1}/{args.repeats}: direct", file=sys.stderr)
+            for e in range(1, args.epochs + 1):
+                r = epoch(slow, rep * 100 + e, args.workers, args.batch_size, args.transform)
+                results["direct"].setdefault(e, []).append(r)
+            print(f"repeat {rep + 1}/{args.repeats}: cachefs", file=sys.stderr)
+            mp, cache = os.path.join(work, "mnt"), os.path.join(work, f"cache{rep}")
+            shutil.rmtree(cache, ignore_errors=True)
+            with cachefs(slow, mp, cache, ram_size=args.ram_size, disk_size=args.disk_size):
+                with Sampler(cachefs_stats(mp)["info"]["pid"], None) as sampler:
+                    for e in range(1, args.epochs + 1):
+                        r = epoch(mp, rep * 100 + e, args.workers, args.batch_size, args.transform)
+                        results["cachefs"].setdefault(e, []).append(r)
+                rss.append(sampler.rss)
+            shutil.rmtree(cache, ignore_errors=True)
     n = args.classes * args.per_class
     print(f"\nDataLoader epochs: {n} JPEGs ({format_size(total)}), {args.workers} workers, batch "
           f"{args.batch_size}, transform {args.transform}; store slowfs {args.latency}/request; "
@@ -183,7 +208,7 @@ def hint_case(args: argparse.Namespace, case: str, work: str, data: str, total: 
                         cachefs_cli("warm", mp, check=True, timeout=3600)
                     with Sampler(pid, None) as sampler:
                         for e in range(1, args.epochs + 1):
-                            drop_caches()
+                            evict_data(mp, os.path.join(cache, "blocks"))
                             before = cachefs_stats(mp)
                             r = epoch(mp, rep * 100 + e, args.workers, args.batch_size, args.transform,
                                       hinted=mode == "hinted")
@@ -198,18 +223,14 @@ def hint_case(args: argparse.Namespace, case: str, work: str, data: str, total: 
 def cmd_hint(args: argparse.Namespace) -> int:
     if not drop_caches():
         raise SystemExit("torchbench hint: needs root, to drop the page cache before each epoch")
-    work = args.workdir or tempfile.mkdtemp(prefix="cachefs-torchbench-")
-    data, total = dataset_at(work, args.classes, args.per_class)
     report = {}
-    try:
+    with workspace(args) as (work, data, total):
         for case in args.case.split(","):
             report[case] = hint_case(args, case, work, data, total)
-    finally:
-        if not args.workdir and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
     n = args.classes * args.per_class
     print(f"\nHintedSampler vs the plain sampler: {n} JPEGs ({format_size(total)}), {args.workers} workers, "
-          f"batch {args.batch_size}, transform {args.transform}; page cache dropped before each epoch; "
+          f"batch {args.batch_size}, transform {args.transform}; data files' page cache dropped before each "
+          "epoch; "
           f"median of {args.repeats}")
     print(f"{'case':<6}{'epoch':>6}{'plain img/s':>13}{'hinted img/s':>14}{'speed-up':>10}"
           f"{'RAM hit plain':>15}{'RAM hit hinted':>16}{'NVMe hit':>10}{'all-in-RAM img/s':>18}")
@@ -238,31 +259,25 @@ def cmd_hint(args: argparse.Namespace) -> int:
 # -- diagnose --------------------------------------------------------------------------------
 
 def cmd_diagnose(args: argparse.Namespace) -> int:
-    work = args.workdir or tempfile.mkdtemp(prefix="cachefs-torchbench-")
-    data, total = dataset_at(work, args.classes, args.per_class)
     setups = [("slowfs 5 ms, standard transforms", "storage-bound", "slow", ["--transform", "standard"]),
-              ("local disk, heavy transform", "cpu-bound", data, ["--transform", "tools.torchbench:heavy"]),
-              ("local disk, GPU decoding (bytes only)", "fine", data, ["--transform", "none"])]
+              ("local disk, heavy transform", "cpu-bound", "local", ["--transform", "tools.torchbench:heavy"]),
+              ("local disk, GPU decoding (bytes only)", "fine", "local", ["--transform", "none"])]
     rows = []
-    try:
-        with slowfs(data, os.path.join(work, "slow"), latency="5ms") as slow:
-            for name, expected, where, extra in setups:
-                path = slow if where == "slow" else where
-                drop_caches()
-                print(f"diagnose: {name}", file=sys.stderr)
-                proc = subprocess.run([sys.executable, "-m", "cachefs", "diagnose", path, "--json",
-                                       "--seconds", str(args.seconds), *extra],
-                                      capture_output=True, text=True, cwd=ROOT, timeout=600)
-                if proc.returncode != 0:
-                    raise SystemExit(f"diagnose failed on {name}: {proc.stderr.strip()}")
-                r = json.loads(proc.stdout)
-                rows.append({"setup": name, "expected": expected, "verdict": r["verdict"],
-                             "images_per_s": r["loader"]["images_per_s"], "read_share": r["loader"]["read_share"],
-                             "cpu_busy": r["loader"]["system"]["cpu_busy"],
-                             "raw_files_per_s": r["raw"]["files_per_s"], "report": r})
-    finally:
-        if not args.workdir and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+    with workspace(args) as (work, data, _), slowfs(data, os.path.join(work, "slow"), latency="5ms") as slow:
+        for name, expected, where, extra in setups:
+            path = slow if where == "slow" else data
+            drop_caches()
+            print(f"diagnose: {name}", file=sys.stderr)
+            proc = subprocess.run([sys.executable, "-m", "cachefs", "diagnose", path, "--json",
+                                   "--seconds", str(args.seconds), *extra],
+                                  capture_output=True, text=True, cwd=ROOT, timeout=600)
+            if proc.returncode != 0:
+                raise SystemExit(f"diagnose failed on {name}: {proc.stderr.strip()}")
+            r = json.loads(proc.stdout)
+            rows.append({"setup": name, "expected": expected, "verdict": r["verdict"],
+                         "images_per_s": r["loader"]["images_per_s"], "read_share": r["loader"]["read_share"],
+                         "cpu_busy": r["loader"]["system"]["cpu_busy"],
+                         "raw_files_per_s": r["raw"]["files_per_s"], "report": r})
     print(f"\ncachefs diagnose on three set-ups ({args.classes * args.per_class} JPEGs, "
           f"{args.seconds:.0f}s a measurement)")
     print(f"{'set-up':<40}{'expected':>15}{'verdict':>15}{'img/s':>8}{'waiting':>9}{'CPU':>6}{'raw files/s':>13}")
