@@ -10,13 +10,15 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
-import mmap
 import os
 import stat as stat_mod
 import threading
 from typing import NamedTuple, Protocol
 
 from cachefs.blocks import FileId
+from cachefs.directio import ALIGN as _ALIGN
+from cachefs.directio import pread as _pread
+from cachefs.directio import pread_direct as _pread_direct
 from cachefs.errors import SourceChanged
 
 log = logging.getLogger(__name__)
@@ -100,60 +102,6 @@ def check_relpath(path: str) -> str:
     if rel and any(part in ("", ".", "..") for part in rel.split("/")):
         raise OSError(errno.EINVAL, "invalid path component", path)
     return rel
-
-
-_ALIGN = 4096
-
-
-def _pread(fd: int, offset: int, size: int) -> bytes:
-    chunks, done = [], 0
-    while done < size:
-        chunk = os.pread(fd, size - done, offset + done)
-        if not chunk:
-            break
-        chunks.append(chunk)
-        done += len(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
-
-
-_buffers: list[mmap.mmap] = []  # aligned O_DIRECT buffers, reused (list ops are atomic)
-_BUFFERS_KEPT = 16
-
-
-def _pread_direct(fd: int, offset: int, size: int) -> bytes:
-    """Read with O_DIRECT into an aligned buffer: one request of up to the whole block.
-
-    Through the page cache, NFS and FUSE cut a 1 MiB read into their 128 KiB read-ahead
-    window and wait for each piece (measured on slowfs: 512 requests and 0.57 s for
-    64 MiB, against 64 requests and 0.17 s with O_DIRECT). It also keeps a second copy of
-    every block out of the source mount's page cache. Buffers are pooled: an mmap and a
-    munmap per read cost two system calls and a TLB shootdown on every core.
-    """
-    length = (size + _ALIGN - 1) // _ALIGN * _ALIGN
-    try:
-        buf = _buffers.pop()
-        if len(buf) < length:
-            buf.close()
-            buf = mmap.mmap(-1, length)
-    except IndexError:
-        buf = mmap.mmap(-1, length)
-    view = memoryview(buf)
-    try:
-        done = 0
-        while done < size:
-            n = os.preadv(fd, [view[done:length]], offset + done)
-            if n <= 0:
-                break
-            done += n
-            if n % _ALIGN:
-                break  # a short read ends at end of file
-        return bytes(view[:min(done, size)])
-    finally:
-        view.release()
-        if len(_buffers) < _BUFFERS_KEPT:
-            _buffers.append(buf)
-        else:
-            buf.close()
 
 
 # openat2(2) (Linux 5.6+) resolves a path under a directory descriptor in one system call

@@ -285,3 +285,34 @@ def test_orphaned_value_files_are_removed_at_start_and_young_ones_kept(disk, tmp
     assert t2.get(b"kept") == b"k" * 50_000
     vals = [f for f in blocks.rglob("*.val") if f != young_orphan]
     assert len(vals) == len(t2.policy) == 2
+
+
+def test_disk_tier_reads_with_o_direct_and_falls_back_where_refused(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from cachefs.tiers import disk as disk_mod
+
+    monkeypatch.setattr(disk_mod._BlockDisk, "direct", True)
+    opened, refuse = [], []
+    real_open = os.open
+
+    def spy(path, flags, *a, **k):
+        if str(path).endswith(".val") and not flags & (os.O_WRONLY | os.O_RDWR):
+            opened.append(bool(flags & os.O_DIRECT))
+            if refuse and flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")   # what a filesystem without it says
+        return real_open(path, flags, *a, **k)
+
+    monkeypatch.setattr(os, "open", spy)
+    data = bytes(range(256)) * 400 + b"tail"                 # not a multiple of 4096
+    t = DiskTier(str(tmp_path / "blocks"), 10 << 20)
+    t.put(b"k", data)
+    t.flush()
+    assert t.get(b"k") == data and opened == [True]
+    refuse.append(True)
+    opened.clear()
+    assert t.get(b"k") == data and t.get(b"k") == data
+    assert opened == [True, False, False]                     # tried once, then buffered
+    assert disk_mod._BlockDisk.direct is False
+    t.close()

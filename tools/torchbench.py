@@ -117,6 +117,7 @@ def evict_data(*roots: str) -> int:
     """Drop the page cache of every file under `roots` (the mount's files, the NVMe tier's
     block files), and only those: a machine whose RAM cannot hold the dataset keeps its hot
     small files (the NVMe tier's index, the programs) cached, which drop_caches would not."""
+    os.sync()  # dirty pages (blocks the NVMe writer just wrote) cannot be dropped
     n = 0
     for root in roots:
         for dirpath, _, files in os.walk(root):
@@ -215,7 +216,7 @@ def hint_case(args: argparse.Namespace, case: str, work: str, data: str, total: 
                             r.update(ram_rates(before, cachefs_stats(mp)))
                             if e in measured:
                                 out[mode].setdefault(e, []).append(r)
-                    out.setdefault("peak_rss", []).append(sampler.rss)
+                    out.setdefault("peak_rss", {}).setdefault(mode, []).append(sampler.rss)
                 shutil.rmtree(cache, ignore_errors=True)
     return out
 
@@ -247,8 +248,9 @@ def cmd_hint(args: argparse.Namespace) -> int:
             print(f"{case:<6}{e:>6}{row['plain']:>13.0f}{row['hinted']:>14.0f}{row['time_ratio']:>10.2f}"
                   f"{row['ram_plain']:>15.2f}{row['ram_hinted']:>16.2f}{row['disk_hinted']:>10.2f}{ceiling}")
     for case, r in report.items():
+        rss = ", ".join(f"{mode} {format_size(max(v))}" for mode, v in r["peak_rss"].items())
         print(f"{case}: RAM tier {format_size(r['ram_bytes'])}, NVMe tier {format_size(r['disk_bytes'])}, "
-              f"store {r['latency']}/request; daemon peak RSS {format_size(max(r['peak_rss']))}")
+              f"store {r['latency']}/request; daemon peak RSS: {rss}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "dataset_bytes": total, "summary": summary, "raw": report},

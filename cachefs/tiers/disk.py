@@ -21,6 +21,7 @@ thread before its first write; until then lookups ask diskcache.
 
 from __future__ import annotations
 
+import errno
 import io
 import logging
 import os
@@ -34,6 +35,7 @@ import xxhash
 
 from cachefs.checksum import HEADER_SIZE, decode_block, encode_block
 from cachefs.config import DISK_WRITE_QUEUE_BYTES, format_size
+from cachefs.directio import read_file
 from cachefs.errors import ChecksumError
 from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
 from cachefs.stats import Stats
@@ -77,6 +79,24 @@ class _BlockDisk(diskcache.Disk):
         name = os.urandom(16).hex()
         filename = os.path.join(name[0], name[1:] + ".val")
         return filename, os.path.join(self._directory, filename)
+
+    direct = hasattr(os, "O_DIRECT")  # per class: one cache dir per daemon
+
+    def fetch(self, mode, filename, value, read):  # type: ignore[no-untyped-def]
+        """A value file read with O_DIRECT (see cachefs/directio.py), buffered where the
+        cache dir's filesystem refuses it."""
+        if mode != diskcache.core.MODE_BINARY or read or not filename:
+            return super().fetch(mode, filename, value, read)
+        path = os.path.join(self._directory, filename)
+        if _BlockDisk.direct:
+            try:
+                return read_file(path, direct=True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                _BlockDisk.direct = False
+                log.info("cache dir does not support O_DIRECT (%s); using buffered reads", exc)
+        return read_file(path, direct=False)
 
     def _write(self, full_path, iterator, mode, encoding=None):  # type: ignore[no-untyped-def]
         if not isinstance(iterator, io.BytesIO):
