@@ -17,6 +17,7 @@ from cachefs.config import (
     DEFAULT_POLICY,
     DEFAULT_PREFETCH_WORKERS,
     DEFAULT_READAHEAD,
+    DEFAULT_SOURCE_TIMEOUT,
     READAHEAD_MODES,
     ROTATIONAL_PREFETCH_WORKERS,
     Config,
@@ -137,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "for an immutable dataset)")
     meta.add_argument("--negative-ttl", type=_duration("--negative-ttl"), default=DEFAULT_NEGATIVE_TTL,
                       metavar="SECONDS", help="how long 'no such file' is remembered (default: %(default)gs)")
+    meta.add_argument("--source-timeout", type=_duration("--source-timeout"), default=DEFAULT_SOURCE_TIMEOUT,
+                      metavar="SECONDS",
+                      help="a source request slower than this fails with ETIMEDOUT instead of hanging the "
+                           "reader; the source then counts as down and cached files keep being served "
+                           "(default: %(default)gs; 0: wait forever)")
     ra = m.add_argument_group("read-ahead and warming")
     ra.add_argument("--readahead", choices=READAHEAD_MODES, default=DEFAULT_READAHEAD,
                     help="off; file: fetch ahead of sequential readers inside big files; dir: that, plus "
@@ -425,6 +431,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         source=args.source, mountpoint=args.mountpoint, cache_dir=args.cache_dir,
         ram_size=args.ram_size, disk_size=args.disk_size, block_size=args.block_size,
         metadata_ttl=args.metadata_ttl, negative_ttl=args.negative_ttl, foreground=args.foreground,
+        source_timeout=args.source_timeout,
         allow_other=args.allow_other, log_file=args.log_file, verbose=args.verbose,
         debug_fuse=args.debug_fuse, zero_message_open=not args.open_per_handle,
         readahead=args.readahead, prefetch_workers=args.prefetch_workers, warm=args.warm,

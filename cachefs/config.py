@@ -44,6 +44,23 @@ DEFAULT_METADATA_TTL = 3600.0
 # appears on the source should appear in the mount soon.
 DEFAULT_NEGATIVE_TTL = 5.0
 
+# A source request taking longer than this (seconds) fails with ETIMEDOUT instead of
+# blocking its reader: an NFS server that died, a hard-mounted share that hangs. The
+# request runs on a thread of its own, so a hung one holds that thread, never the reader.
+# 0 turns the limit off (requests then run in the caller's thread).
+DEFAULT_SOURCE_TIMEOUT = 60.0
+
+# Threads for source requests under --source-timeout: more than the FUSE threads and the
+# prefetch pool together, so that a few hung requests starve nothing.
+SOURCE_THREADS = 64
+
+# After SOURCE_DOWN_AFTER requests in a row got no answer (timed out, or ENOTCONN from a
+# dead mount), the source counts as down: other requests fail at once
+# (ETIMEDOUT) instead of each waiting the full timeout, cached data and metadata keep being
+# served (expired metadata too), and one request every this many seconds probes it.
+SOURCE_RETRY = 5.0
+SOURCE_DOWN_AFTER = 3
+
 # RAM tier (bytes): a quarter of physical memory, at most 4 GiB, unless --ram-size says.
 DEFAULT_RAM_FRACTION = 0.25
 DEFAULT_RAM_MAX = 4 * GiB
@@ -165,3 +182,4 @@ class Config:
     policy: str = DEFAULT_POLICY  # "keep", "lru", or per tier: "ram=lru,disk=keep"
     max_idle: float = DEFAULT_MAX_IDLE  # seconds; 0 = off
     min_free: int | None = None  # bytes; None = DEFAULT_MIN_FREE_* rule
+    source_timeout: float = DEFAULT_SOURCE_TIMEOUT  # seconds; 0 = off

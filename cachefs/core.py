@@ -21,7 +21,8 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING
 
 from cachefs.blocks import FileId, block_extent, block_key, block_range
@@ -32,10 +33,14 @@ from cachefs.config import (
     DEFAULT_READAHEAD_MAX,
     METADATA_MAX_ENTRIES,
     READAHEAD_MODES,
+    SOURCE_DOWN_AFTER,
+    SOURCE_RETRY,
+    SOURCE_THREADS,
 )
 from cachefs.errors import SourceChanged
 from cachefs.hints import HintBoard
 from cachefs.prefetch import DIR, HINT, READAHEAD, WARM, Prefetcher
+from cachefs.prefetch import THREAD_PREFIX as PREFETCH_THREAD
 from cachefs.readahead import DirectoryCursor, SequentialReadahead, StreamTable
 from cachefs.source import Attr, DirEntry, Source
 from cachefs.stats import Stats
@@ -47,6 +52,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _ANSWERS = {errno.ENODATA, errno.ENOTSUP, errno.EINVAL}
+# A source failing with these is not answering at all (our timeout, a soft NFS mount's
+# timeout, a dead FUSE server); anything else is an answer about one file.
+_SOURCE_DOWN = {errno.ETIMEDOUT, errno.ENOTCONN}
+
+
+def _subject(args: tuple) -> str:
+    """The path a source request is about, for messages."""
+    return str(getattr(args[0], "path", args[0])) if args else ""
 
 
 def source_namespace(source_root: str) -> bytes:
@@ -66,13 +79,16 @@ class _TTLCache:
     def get(self, key: str) -> object | None:
         with self._lock:
             hit = self._data.get(key)
-            if hit is None:
-                return None
-            if hit[0] < self._clock():
-                del self._data[key]
-                return None
+            if hit is None or hit[0] < self._clock():
+                return None  # an expired entry stays, for get_stale, until pushed out
             self._data.move_to_end(key)
             return hit[1]
+
+    def get_stale(self, key: str) -> object | None:
+        """The entry even if expired: what to serve while the source does not answer."""
+        with self._lock:
+            hit = self._data.get(key)
+            return None if hit is None else hit[1]
 
     def put(self, key: str, value: object, ttl: float) -> None:
         if ttl <= 0:
@@ -106,6 +122,7 @@ class Core:
         prefetcher: Prefetcher | None = None,
         readahead: str = "off",
         readahead_max: int = DEFAULT_READAHEAD_MAX,
+        source_timeout: float = 0.0,
     ):
         if block_size <= 0:
             raise ValueError("block_size must be positive")
@@ -119,6 +136,14 @@ class Core:
         if readahead not in READAHEAD_MODES:
             raise ValueError(f"readahead must be one of {READAHEAD_MODES}")
         self.prefetcher = prefetcher
+        self.source_timeout = source_timeout
+        self._source_pool = (ThreadPoolExecutor(SOURCE_THREADS, thread_name_prefix="cachefs-source")
+                             if source_timeout > 0 else None)
+        self._down_since: float | None = None  # when the source stopped answering (monotonic)
+        self._next_probe = 0.0
+        self._unanswered = 0  # requests in a row that got no answer
+        self._down_lock = threading.Lock()
+        stats.gauge("source.down", lambda: int(self._down_since is not None))
         self.readahead = readahead if prefetcher is not None else "off"
         max_blocks = max(1, readahead_max // block_size)
         self._streams = StreamTable(lambda: SequentialReadahead(block_size, maximum=max_blocks))
@@ -165,6 +190,11 @@ class Core:
         except FileNotFoundError:
             self._attrs.put(path, errno.ENOENT, self.negative_ttl)
             raise
+        except OSError as exc:
+            stale = self._stale(self._attrs, path, exc)
+            if isinstance(stale, int):
+                raise FileNotFoundError(stale, "no such file (cached)", path) from None
+            return stale  # type: ignore[return-value]
         self._attrs.put(path, attr, self.metadata_ttl)
         return attr
 
@@ -174,9 +204,22 @@ class Core:
             self.stats.incr("metadata.hits")
             return hit  # type: ignore[return-value]
         self.stats.incr("metadata.misses")
-        entries = self._source_call("listdir", self.source.listdir, path)
+        try:
+            entries = self._source_call("listdir", self.source.listdir, path)
+        except OSError as exc:
+            return self._stale(self._dirs, path, exc)  # type: ignore[return-value]
         self._dirs.put(path, entries, self.metadata_ttl)
         return entries
+
+    def _stale(self, cache: _TTLCache, path: str, exc: OSError) -> object:
+        """While the source does not answer, expired metadata is better than none: the
+        files it names may be cached in full. Re-raises `exc` otherwise."""
+        if exc.errno in _SOURCE_DOWN:
+            stale = cache.get_stale(path)
+            if stale is not None:
+                self.stats.incr("metadata.stale_served")
+                return stale
+        raise exc
 
     def readlink(self, path: str) -> str:
         return self._source_call("readlink", self.source.readlink, path)
@@ -294,7 +337,7 @@ class Core:
                 result = self._run_owned(key, pending, lambda: self._fetch(key, fid, index))
             else:
                 self.stats.incr("reads.inflight_waits")
-                result = pending.result()
+                result = self._wait(pending, key)
         # After the data is in hand, whichever way it came: read-ahead marks a block before
         # any reader can see it, so a block it fetched is counted used exactly once.
         if self._ahead:
@@ -302,6 +345,16 @@ class Core:
         if self.hints is not None and self.hints.holding:
             self.hints.on_read(key)
         return result
+
+    def _wait(self, pending: Future, key: bytes) -> tuple[bytes, str]:
+        """Another thread's fetch of the block we need: at most --source-timeout (it may be a
+        prefetch thread stuck on a source that stopped answering)."""
+        try:
+            return pending.result(self.source_timeout or None)
+        except FutureTimeout:
+            self.stats.incr("source.timeouts")
+            raise OSError(errno.ETIMEDOUT, f"source did not answer within {self.source_timeout:g}s "
+                          "(waiting for another reader's fetch)") from None
 
     def _claim(self, key: bytes) -> tuple[Future, bool]:
         """The in-flight fetch of `key`, and whether the caller now owns (must run) it."""
@@ -494,22 +547,83 @@ class Core:
 
     def _source_call(self, op: str, fn: Callable, *args):  # type: ignore[type-arg]
         self.stats.incr(f"source.{op}")
+        if self._down_since is not None and not self._probe_due():
+            self.stats.incr("source.fast_failures")
+            raise OSError(errno.ETIMEDOUT, "source not answering (cachefs serves what it has cached)",
+                          _subject(args))
         start = time.monotonic()
         try:
-            return fn(*args)
+            result = self._call_source(op, fn, args)
         except FileNotFoundError:
+            self._source_answered()
             raise
         except OSError as exc:
-            # "no such attribute" is an answer, not a failure of the source
-            if not isinstance(exc, SourceChanged) and exc.errno not in _ANSWERS:
+            if exc.errno in _SOURCE_DOWN:
+                self._source_down(op, args, exc)
                 self.stats.incr("source.errors")
+            else:
+                self._source_answered()  # an error about one file is still an answer
+                # "no such attribute" is an answer, not a failure of the source
+                if exc.errno not in _ANSWERS and not isinstance(exc, SourceChanged):
+                    self.stats.incr("source.errors")
             raise
         finally:
             self.stats.observe(f"source.{op}", time.monotonic() - start)
+        self._source_answered()
+        return result
+
+    def _call_source(self, op: str, fn: Callable, args: tuple):  # type: ignore[type-arg]
+        """fn(*args), given at most --source-timeout: it runs on a thread of its own, so a
+        request that hangs holds that thread, not the reader's. The prefetch pool's own
+        threads call it directly: nobody waits on them but a reader of the same block, and
+        that wait is bounded too (see _block). The hand-off costs a cold epoch about 15%."""
+        if self._source_pool is None or threading.current_thread().name.startswith(PREFETCH_THREAD):
+            return fn(*args)
+        future = self._source_pool.submit(fn, *args)
+        try:
+            return future.result(self.source_timeout)
+        except FutureTimeout:
+            future.cancel()  # still queued (every source thread hung): never run it
+            self.stats.incr("source.timeouts")
+            raise OSError(errno.ETIMEDOUT, f"source did not answer {op} within {self.source_timeout:g}s",
+                          _subject(args)) from None
+
+    def _probe_due(self) -> bool:
+        """While the source is down, one request per SOURCE_RETRY seconds goes through."""
+        with self._down_lock:
+            now = time.monotonic()
+            if now < self._next_probe:
+                return False
+            self._next_probe = now + SOURCE_RETRY
+            return True
+
+    def _source_down(self, op: str, args: tuple, exc: OSError) -> None:
+        """A request got no answer. SOURCE_DOWN_AFTER of them in a row, with no answer in
+        between, and the source counts as down (one hung file does not make it so)."""
+        with self._down_lock:
+            self._unanswered += 1
+            self._next_probe = time.monotonic() + SOURCE_RETRY
+            if self._down_since is not None or self._unanswered < SOURCE_DOWN_AFTER:
+                return
+            self._down_since = time.monotonic()
+        self.stats.incr("source.down_events")
+        log.warning("source not answering (%s %s: %s): serving what is cached, failing the rest with "
+                    "ETIMEDOUT at once; trying it again every %gs", op, _subject(args), exc.strerror, SOURCE_RETRY)
+
+    def _source_answered(self) -> None:
+        if self._down_since is None and not self._unanswered:
+            return
+        with self._down_lock:
+            since, self._down_since = self._down_since, None
+            self._unanswered = 0
+        if since is not None:
+            log.warning("source answering again after %.0fs", time.monotonic() - since)
 
     def close(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.stop()
+        if self._source_pool is not None:
+            self._source_pool.shutdown(wait=False, cancel_futures=True)  # a hung request stays hung
         self.cache.close()
 
 

@@ -29,6 +29,9 @@ class MemorySource:
         self.latency = latency
         self._sleep = sleep
         self._clock_ns = 1_700_000_000 * 10**9
+        self._open_gate = threading.Event()  # cleared: requests for hung paths block
+        self._open_gate.set()
+        self._hung: set[str] | None = None  # None while hung: every path
         self.add_dir("/")
 
     # -- building the tree -------------------------------------------------------------
@@ -57,6 +60,15 @@ class MemorySource:
     def remove(self, path: str) -> None:
         del self._nodes[path]
 
+    def hang(self, *paths: str) -> None:
+        """From now on, requests for `paths` (all paths if none given) block until release():
+        a server that stopped answering."""
+        self._hung = set(paths) if paths else None
+        self._open_gate.clear()
+
+    def release(self) -> None:
+        self._open_gate.set()
+
     # -- the Source interface ----------------------------------------------------------
 
     def _enter(self, op: str, path: str) -> tuple[Attr, object]:
@@ -65,6 +77,8 @@ class MemorySource:
         if self.latency:
             self._sleep(self.latency)
         path = "/" + check_relpath(path)
+        if not self._open_gate.is_set() and (self._hung is None or path in self._hung):
+            self._open_gate.wait()
         err = self.faults.get((op, path)) or self.faults.get((op, "*"))
         if err:
             raise OSError(err, "injected fault", path)

@@ -334,6 +334,7 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
     stats.set_info(version=__version__, source=config.source, mountpoint=config.mountpoint,
                    cache_dir=config.cache_dir, block_size=config.block_size,
                    metadata_ttl=config.metadata_ttl, readahead=config.readahead,
+                   source_timeout_s=config.source_timeout,
                    prefetch_workers=config.prefetch_workers)
     source = LocalSource(config.source)
     assert config.ram_size is not None and config.disk_size is not None
@@ -349,7 +350,8 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
     prefetcher = Prefetcher(workers, stats) if workers > 0 else None
     core = Core(source, cache, stats, namespace=source_namespace(config.source),
                 block_size=config.block_size, metadata_ttl=config.metadata_ttl,
-                negative_ttl=config.negative_ttl, prefetcher=prefetcher, readahead=config.readahead)
+                negative_ttl=config.negative_ttl, prefetcher=prefetcher, readahead=config.readahead,
+                source_timeout=config.source_timeout)
     if prefetcher is not None:
         prefetcher.start()
     return core

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 HINT, READAHEAD, DIR, WARM = 0, 1, 2, 3
 
+# Names of the pool's threads. The core calls the source directly from these (a guess that
+# hangs holds one pool thread, not a reader); see Core._call_source.
+THREAD_PREFIX = "cachefs-prefetch-"
+
 Task = Callable[[], object]
 # A feeder returns (key, task) or None when it has nothing (now).
 Feeder = Callable[[], "tuple[Hashable, Task] | None"]
@@ -154,7 +158,7 @@ class Prefetcher:
 
     def start(self) -> None:
         for i in range(self.workers):
-            t = threading.Thread(target=self._worker, name=f"cachefs-prefetch-{i}", daemon=True)
+            t = threading.Thread(target=self._worker, name=f"{THREAD_PREFIX}{i}", daemon=True)
             t.start()
             self._threads.append(t)
 
