@@ -263,6 +263,11 @@ def run_fuse(ops: CachefsOperations, mountpoint: str, config: Config) -> None:
         # Threads block in source reads with the GIL released; libfuse's default of 10
         # would cap a cold epoch's parallelism below what 8 DataLoader workers ask for.
         "max_threads": FUSE_MAX_THREADS,
+        # Idle threads stay. libfuse ends idle threads beyond 10 and starts new ones under
+        # load; each new thread opened its own SQLite connection to the NVMe tier's index
+        # (diskcache's are per thread) and the ended ones kept theirs: descriptors grew
+        # with every burst (tests/fuse/test_concurrency.py).
+        "max_idle_threads": FUSE_MAX_THREADS,
     }
     if config.allow_other:
         options["allow_other"] = True

@@ -115,3 +115,75 @@ def test_without_a_timeout_requests_run_in_the_callers_thread(source):
     source.read_range = lambda *a: (seen.append(threading.current_thread()), real(*a))[1]
     core.read("/d/f0", 0, 10)
     assert seen == [threading.current_thread()]
+
+
+# -- item 10: a model of open/read/seek/close through the core ---------------------------------
+
+from hypothesis import settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule  # noqa: E402
+
+from cachefs.errors import SourceChanged  # noqa: E402
+from cachefs.memsource import MemorySource  # noqa: E402
+
+SMALL_BS = 4096
+NAMES = ("/a", "/b", "/dir/c", "/dir/d")
+
+
+class OpenReadSeekClose(RuleBasedStateMachine):
+    """Handles pin the identity the file had at open (as the FUSE layer's per-handle mode
+    does); a handle reads exactly that version's bytes, or fails with ESTALE once the
+    source has another version: never a byte of the wrong version, never a mix."""
+
+    handles = Bundle("handles")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.source = MemorySource()
+        self.versions: dict[str, bytes] = {}
+        self.serial = 0
+        for name in NAMES:
+            self._write(name, 3 * SMALL_BS + 123)
+        # a RAM tier of 3 blocks: evictions and refetches all the time
+        self.core = make_core(self.source, block_size=SMALL_BS, ram=3 * SMALL_BS, metadata_ttl=0)
+
+    def _write(self, name: str, size: int) -> None:
+        self.serial += 1
+        data = bytes((self.serial * 7 + i) % 251 for i in range(size))
+        self.source.add_file(name, data)
+        self.versions[name] = data
+
+    @rule(target=handles, name=st.sampled_from(NAMES))
+    def open(self, name):
+        fid = self.core.file_id(name)
+        return {"name": name, "fid": fid, "data": self.versions[name], "pos": 0}
+
+    @rule(h=handles, pos=st.integers(0, 4 * SMALL_BS))
+    def seek(self, h, pos):
+        h["pos"] = pos
+
+    @rule(h=handles, size=st.integers(0, 2 * SMALL_BS + 7))
+    def read(self, h, size):
+        try:
+            got = self.core.read(h["name"], h["pos"], size, fid=h["fid"])
+        except SourceChanged:
+            assert self.versions[h["name"]] != h["data"], "ESTALE for a file that did not change"
+            return
+        assert got == h["data"][h["pos"]:h["pos"] + size]
+        h["pos"] += len(got)
+
+    @rule(h=consumes(handles))
+    def close(self, h):
+        pass  # a handle holds nothing in the core but its identity
+
+    @rule(name=st.sampled_from(NAMES), size=st.integers(0, 4 * SMALL_BS))
+    def rewrite(self, name, size):
+        self._write(name, size)
+
+    @invariant()
+    def tier_within_budget(self):
+        self.core.cache.ram.check()
+
+
+OpenReadSeekClose.TestCase.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+test_open_read_seek_close_model = OpenReadSeekClose.TestCase

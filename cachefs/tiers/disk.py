@@ -116,6 +116,48 @@ class _BlockDisk(diskcache.Disk):
         return len(data)
 
 
+class _PerOSThread:
+    """What diskcache keeps per thread (its SQLite connection), kept per OS thread instead.
+
+    diskcache stores its connection in a threading.local. A libfuse worker thread enters
+    Python through ctypes with a fresh thread state for each request, so every NVMe lookup
+    from a FUSE thread opened a new SQLite connection (measured: 452 in one run of
+    tests/fuse/test_concurrency.py) and the old ones lingered until garbage collection:
+    descriptors grew past the number of threads. Keyed by threading.get_ident() (the
+    pthread, which is also what sqlite3's same-thread check compares), one connection
+    serves a thread for its life.
+    """
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "_slots", {})
+
+    def _mine(self) -> dict:
+        slots = object.__getattribute__(self, "_slots")
+        return slots.setdefault(threading.get_ident(), {})
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return self._mine()[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __setattr__(self, name: str, value: object) -> None:
+        self._mine()[name] = value
+
+    def __delattr__(self, name: str) -> None:
+        try:
+            del self._mine()[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def connections(self) -> list:
+        slots = object.__getattribute__(self, "_slots")
+        return [d["con"] for d in list(slots.values()) if d.get("con") is not None]
+
+    def clear(self) -> None:
+        object.__getattribute__(self, "_slots").clear()
+
+
 SUBDIRS = 16
 ORPHAN_AGE = 60.0  # seconds: an unindexed value file older than this is an orphan
 DIR_ENTRY_BYTES = 48  # an ext4 directory entry for a 31-character name, rounded up
@@ -147,6 +189,9 @@ class DiskTier:
             sqlite_wal_autocheckpoint=WAL_PAGES,
             sqlite_journal_size_limit=WAL_PAGES * 4096,
         )
+        self._cache.close()  # the constructing thread's connection, from the threading.local
+        self._connections = _PerOSThread()
+        self._cache._local = self._connections
         self.policy = policy if isinstance(policy, Policy) else make_policy(policy, self._capacity, max_idle)
         self.policy.capacity = 0  # nothing is admitted before the limits are measured
         self._plock = threading.Lock()  # the policy: FUSE threads record hits, the writer admits
@@ -501,14 +546,21 @@ class DiskTier:
                 self._qroom.notify_all()
 
     def flush(self) -> None:
-        """Wait until every queued write is on disk (or dropped after an error)."""
+        """Wait until the writer has loaded the index (and trimmed the tier to its budget)
+        and every queued write is on disk (or dropped after an error)."""
+        self._started.wait(30)
         self._queue.join()
 
     def close(self) -> None:
         if self._writer.is_alive():
             self._queue.put(_STOP)
             self._writer.join()
-        self._cache.close()
+        for con in self._connections.connections():  # every thread's, not only the caller's
+            try:
+                con.close()
+            except Exception:  # a connection in use by a thread still running: it goes with it
+                pass
+        self._connections.clear()
 
 
 __all__ = ["DiskTier", "HEADER_SIZE"]
