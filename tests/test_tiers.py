@@ -316,3 +316,60 @@ def test_disk_tier_reads_with_o_direct_and_falls_back_where_refused(tmp_path, mo
     assert opened == [True, False, False]                     # tried once, then buffered
     assert disk_mod._BlockDisk.direct is False
     t.close()
+
+
+def test_a_failing_cache_disk_turns_the_tier_off_with_one_warning(disk, monkeypatch, caplog):
+    import errno
+    import logging
+
+    from cachefs.tiers import disk as disk_mod
+
+    caplog.set_level(logging.WARNING)
+    t = disk()
+    t.put_now(b"before", b"x" * 5000)
+    calls = []
+
+    def full(*a, **k):
+        calls.append(1)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    real_set = t._cache.set
+    t._cache.set = full
+    for i in range(disk_mod.SUSPEND_AFTER):
+        assert t.put_now(b"k%d" % i, b"y" * 5000) is False
+    assert t.suspended and len(calls) == disk_mod.SUSPEND_AFTER
+    assert t.put(b"later", b"z" * 5000) is False and t.put_now(b"later", b"z") is False
+    assert len(calls) == disk_mod.SUSPEND_AFTER                 # the disk is left alone now
+    assert t.get(b"before") is None and not t.has_room(10)       # reads too: a miss, no error
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "NVMe tier off" in warnings[0].message
+    assert "No space left on device" in warnings[0].message
+    t._cache.set = real_set
+    t._suspended_until = 0                                      # SUSPEND_FOR later
+    assert t.put_now(b"again", b"w" * 5000) and t.get(b"again") == b"w" * 5000
+    assert "NVMe tier working again" in caplog.text
+
+
+def test_a_vanished_cache_dir_is_a_pass_through_for_the_reader(tmp_path, caplog):
+    import logging
+    import shutil
+
+    from cachefs.memsource import MemorySource
+    from tests.conftest import make_core
+
+    caplog.set_level(logging.WARNING)
+    source = MemorySource()
+    for i in range(30):
+        source.add_file(f"/f{i}", bytes([i]) * 20_000)
+    tier = DiskTier(str(tmp_path / "blocks"), 10 << 20)
+    core = make_core(source, ram=20_000, disk=tier)              # RAM holds one file
+    for i in range(30):
+        core.read(f"/f{i}", 0, 20_000)
+    tier.flush()
+    shutil.rmtree(tmp_path / "blocks")                          # someone cleaned up /tmp
+    for _ in range(2):
+        for i in range(30):
+            assert core.read(f"/f{i}", 0, 20_000) == bytes([i]) * 20_000
+    assert tier.suspended and not (tmp_path / "blocks").exists()  # nothing written to a ghost
+    assert caplog.text.count("NVMe tier off") == 1 and "was removed" in caplog.text
+    core.close()

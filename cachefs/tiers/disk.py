@@ -158,6 +158,12 @@ class _PerOSThread:
         object.__getattribute__(self, "_slots").clear()
 
 
+# Consecutive cache-disk I/O failures (reads or writes: ENOSPC, EROFS, EIO, a vanished
+# cache dir) after which the tier stops touching the disk for SUSPEND_FOR seconds: cachefs
+# then runs on RAM and the source, with one warning instead of one per block.
+SUSPEND_AFTER = 8
+SUSPEND_FOR = 60.0
+
 SUBDIRS = 16
 ORPHAN_AGE = 60.0  # seconds: an unindexed value file older than this is an orphan
 DIR_ENTRY_BYTES = 48  # an ext4 directory entry for a 31-character name, rounded up
@@ -211,6 +217,9 @@ class DiskTier:
         self._index_ready = threading.Event()
         self._started = threading.Event()  # the writer has loaded the index (or given up)
         self._measured_at = 0.0
+        self._failures = 0  # cache-disk I/O failures in a row
+        self._suspended_until = 0.0  # monotonic; the tier is off until then
+        self._stats.gauge("disk.suspended", lambda: int(self.suspended))
         self._writer = threading.Thread(target=self._write_loop, name="cachefs-disk-writer", daemon=True)
         self._writer.start()
         self._stats.gauge("disk.used_bytes", self._volume)
@@ -317,8 +326,44 @@ class DiskTier:
 
     # -- reads -----------------------------------------------------------------------
 
+    @property
+    def suspended(self) -> bool:
+        """Off after repeated I/O failures (see SUSPEND_AFTER): no reads, no writes."""
+        return time.monotonic() < self._suspended_until
+
+    def _io_failed(self, what: str, exc: BaseException) -> None:
+        self._stats.incr("disk.errors")
+        self._failures += 1
+        log.debug("cache disk %s failed: %s", what, exc)
+        if self._failures >= SUSPEND_AFTER and not self.suspended:
+            self._suspended_until = time.monotonic() + SUSPEND_FOR
+            self._stats.incr("disk.suspensions")
+            log.warning("NVMe tier off for %.0fs after %d failed cache-disk operations (last: %s %s): "
+                        "serving from RAM and the source", SUSPEND_FOR, self._failures, what, exc)
+
+    def _check_dir(self) -> bool:
+        """False (and the tier off until the next mount) if the cache dir's database is gone:
+        someone removed the cache dir under a running daemon. Writing on would fill an
+        unlinked database and recreated directories that no budget or restart could see."""
+        if os.path.exists(os.path.join(self._dir, "cache.db")):
+            return True
+        if self._suspended_until != float("inf"):
+            self._suspended_until = float("inf")
+            self._stats.incr("disk.suspensions")
+            log.warning("NVMe tier off: its cache dir %s was removed; serving from RAM and the source "
+                        "until the next mount", self._dir)
+        return False
+
+    def _io_ok(self) -> None:
+        if self._failures:
+            if self._failures >= SUSPEND_AFTER:
+                log.warning("NVMe tier working again")
+            self._failures = 0
+
     def get(self, key: bytes) -> bytes | None:
         dkey = disk_key(key)
+        if self.suspended:
+            return None
         if self._index_ready.is_set():
             with self._plock:
                 if dkey not in self.policy:
@@ -326,9 +371,8 @@ class DiskTier:
                     return None
         try:
             blob = self._cache.get(dkey, default=None, read=False, retry=True)
-        except Exception as exc:
-            self._stats.incr("disk.errors")
-            log.warning("cache disk read failed (%s); serving from the source", exc)
+        except Exception as exc:  # a failed read is a miss: the block comes from the source
+            self._io_failed("read", exc)
             return None
         if blob is None:
             # Not found: either written by the writer and not committed yet (pending, or
@@ -336,6 +380,8 @@ class DiskTier:
             # (another daemon, a delete) and then the index forgets it. Forgetting a key
             # whose file is on disk would leave that file outside the budget's account.
             gone = dkey not in self._pending and not self._has_row(dkey)
+            if not gone and dkey not in self._pending:
+                self._check_dir()  # a row without its file: was the cache dir removed?
             with self._plock:
                 if gone and dkey not in self._pending:
                     self.policy.remove(dkey)
@@ -351,6 +397,7 @@ class DiskTier:
             return None
         with self._plock:
             self.policy.hit(dkey)
+        self._io_ok()
         return data
 
     # -- writes ----------------------------------------------------------------------
@@ -359,6 +406,9 @@ class DiskTier:
         """Queue `data` for writing; False if the queue is full (the write is dropped).
         With evict=False the block is written only if it fits without evicting anything."""
         size = len(data)
+        if self.suspended:
+            self._stats.incr("disk.suspended_writes")
+            return False
         with self._qlock:
             if not evict:
                 # read-ahead and warming: wait for the writer rather than drop (a demand
@@ -379,12 +429,17 @@ class DiskTier:
 
     def has_room(self, size: int) -> bool:
         """Room for `size` more bytes without evicting (an estimate, refreshed on each write)."""
+        if self.suspended:
+            return False
         with self._qlock:
             return self._room_for(self._queued_bytes + size + HEADER_SIZE)
 
     def put_now(self, key: bytes, data: bytes, evict: bool = True) -> bool:
         """Write synchronously (used by the writer thread and by tests)."""
         self._started.wait(30)
+        if self.suspended or not self._check_dir():  # queued before the tier went off
+            self._stats.incr("disk.suspended_writes")
+            return False
         blob = encode_block(key, data)
         dkey = disk_key(key)
         try:
@@ -400,11 +455,10 @@ class DiskTier:
             self._cache.set(dkey, blob, retry=True)
             self._free_estimate -= _allocated(len(blob))
             self._since_exact += 1
-        except Exception as exc:
+        except Exception as exc:  # the block stays in RAM; the reader never sees this
             with self._plock:
                 self.policy.remove(dkey)
-            self._stats.incr("disk.errors")
-            log.warning("cache disk write failed (%s); continuing without caching this block", exc)
+            self._io_failed("write", exc)
             return False
         finally:
             if not self._in_batch:  # committed already: no transaction around this write
@@ -412,6 +466,7 @@ class DiskTier:
                     self._pending.discard(dkey)
         self._stats.incr("disk.writes")
         self._stats.incr("disk.written_bytes", len(data))
+        self._io_ok()
         return True
 
     def _refresh_limits(self, incoming: int = 0, force: bool = False) -> None:
@@ -461,7 +516,7 @@ class DiskTier:
         try:
             self._cache.delete(dkey, retry=True)
         except Exception as exc:
-            log.warning("cache disk delete failed (%s)", exc)
+            self._io_failed("delete", exc)
 
     def mark_stale(self, key: bytes) -> None:
         with self._plock:
@@ -536,8 +591,7 @@ class DiskTier:
                 finally:
                     self._in_batch = False
         except Exception as exc:  # put_now handles its own errors; this is the commit
-            self._stats.incr("disk.errors")
-            log.warning("cache disk write failed (%s)", exc)
+            self._io_failed("commit", exc)
         finally:
             with self._plock:
                 self._pending.clear()  # committed (or rolled back, and then looked up afresh)
