@@ -38,7 +38,7 @@ from cachefs.config import (
     SOURCE_THREADS,
 )
 from cachefs.errors import SourceChanged
-from cachefs.hints import HintBoard
+from cachefs.hints import HINT_DISK_LATENCY, HintBoard
 from cachefs.prefetch import DIR, HINT, READAHEAD, WARM, Prefetcher
 from cachefs.prefetch import THREAD_PREFIX as PREFETCH_THREAD
 from cachefs.readahead import DirectoryCursor, SequentialReadahead, StreamTable
@@ -471,11 +471,15 @@ class Core:
         """Fetch one hinted block into RAM, pinned (see cachefs/hints.py). Returns the tier
         it came from ("ram", "disk", "source"), or what happened instead: "inflight" (a
         reader is fetching it right now, and has it first), "refused" (RAM has no unpinned
-        block left to replace)."""
+        block left to replace), "on_disk" (it is on an NVMe tier fast enough to leave it
+        there: see HINT_DISK_LATENCY)."""
         key = block_key(self.namespace, fid, index, self.block_size)
         ram = self.cache.ram
         if ram.pin(key):
             return "ram"
+        disk = self.cache.disk
+        if disk is not None and disk.read_latency < HINT_DISK_LATENCY and disk.probably_has(key):
+            return "on_disk"  # the reader's own NVMe read costs less than fetching it ahead
         pending, owner = self._claim(key)
         if not owner:
             return "inflight"

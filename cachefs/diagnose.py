@@ -304,10 +304,9 @@ def _cache_advice(cache: dict[str, Any]) -> list[str]:
     if hit is not None and hit < 0.9:
         out.append(f"the cache served only {hit:.0%} of blocks over the run: warm it first "
                    "(`cachefs warm MOUNTPOINT`), or give it room for the dataset (--ram-size, --disk-size)")
-    ram = cache.get("ram_hit_rate")
-    if ram is not None and ram < 0.9 and cache.get("disk_hits", 0) > 0:
-        out.append("most hits come from NVMe, not RAM: if the dataset is larger than --ram-size, "
-                   "wrap your sampler in cachefs.torch.HintedSampler so the coming batches are in RAM")
+    if hit is not None and hit < 0.9:
+        out.append("if the dataset is larger than the cache, wrap your sampler in "
+                   "cachefs.torch.HintedSampler: the daemon then fetches the coming batches ahead")
     return out or ["the cache is serving what it holds; the source behind it sets the pace of misses"]
 
 

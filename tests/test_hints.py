@@ -148,6 +148,13 @@ def test_hints_fetch_from_nvme_first_and_offer_source_fetches_to_nvme(source, tm
     assert all(disk.probably_has(k) for k in list(core.cache.ram._entries))
     core.hints.close(session)
     core.cache.ram.close()                                   # RAM lost; NVMe kept
+    disk.read_latency = 0.0002                               # a fast NVMe: the reader reads it
+    session = core.hints.open("job", lookahead=8)
+    core.hints.add(session, order[:8], yielded=0)
+    p.run_until_idle()
+    assert core.stats.get("hint.left_on_disk") == 8 and core.cache.ram.pinned_bytes == 0
+    core.hints.close(session)
+    disk.read_latency = 0.005                                # a slow one: fetched ahead
     session = core.hints.open("job", lookahead=8)
     core.hints.add(session, order[:8], yielded=0)
     p.run_until_idle()

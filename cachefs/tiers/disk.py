@@ -218,6 +218,7 @@ class DiskTier:
         self._started = threading.Event()  # the writer has loaded the index (or given up)
         self._measured_at = 0.0
         self._failures = 0  # cache-disk I/O failures in a row
+        self.read_latency = 0.0  # seconds, moving average of a block read that hit
         self._suspended_until = 0.0  # monotonic; the tier is off until then
         self._stats.gauge("disk.suspended", lambda: int(self.suspended))
         self._writer = threading.Thread(target=self._write_loop, name="cachefs-disk-writer", daemon=True)
@@ -369,6 +370,7 @@ class DiskTier:
                 if dkey not in self.policy:
                     self.policy.miss()
                     return None
+        start = time.perf_counter()
         try:
             blob = self._cache.get(dkey, default=None, read=False, retry=True)
         except Exception as exc:  # a failed read is a miss: the block comes from the source
@@ -398,6 +400,7 @@ class DiskTier:
         with self._plock:
             self.policy.hit(dkey)
         self._io_ok()
+        self.read_latency += (time.perf_counter() - start - self.read_latency) * 0.05
         return data
 
     # -- writes ----------------------------------------------------------------------
