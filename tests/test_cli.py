@@ -88,6 +88,8 @@ def test_bad_mount_requests(case, tree, capsys):
     (["mount", "s", "m", "--metrics-addr", "localhost:http"], "invalid --metrics-addr"),
     (["stats", "m", "--watch", "soon"], "invalid --watch"),
     (["mount", "s", "m", "--policy", "fifo"], "invalid --policy"),
+    (["mount", "s", "m", "--source-timeout", "-3"], "invalid --source-timeout"),
+    (["mount", "s", "m", "--source-timeout", "soon"], "invalid --source-timeout"),
     (["diagnose", "d", "--workers", "0"], "invalid --workers '0'"),
     (["diagnose", "d", "--batch-size", "many"], "invalid --batch-size"),
     (["diagnose", "d", "--target", "-5"], "invalid --target"),
