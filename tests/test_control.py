@@ -1,0 +1,51 @@
+"""The control socket serves only the mounting user and root (issue 7, item 9): its name
+is public (abstract namespace, published in user.cachefs.info), so the check is the peer's
+credentials (SO_PEERCRED), not the socket's mode."""
+
+import json
+import os
+import threading
+
+import pytest
+
+from cachefs.control import ControlServer, request
+
+
+@pytest.fixture
+def server():
+    address = f"\0cachefs-test-control-{os.getpid()}-{threading.get_ident()}"
+    srv = ControlServer(address, {"ping": lambda req, send: {"pong": True}}, owner=os.getuid())
+    srv.start()
+    yield address
+    srv.close()
+
+
+def test_the_owner_is_served(server):
+    replies = list(request(server, {"op": "ping"}, timeout=5))
+    assert replies[-1] == {"pong": True, "final": True}
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
+def test_another_user_is_refused(server):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: become nobody, then ask
+        os.close(r)
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            out = list(request(server, {"op": "ping"}, timeout=5))
+        except BaseException as exc:  # report anything, never return into pytest
+            out = [{"exception": repr(exc)}]
+        os.write(w, json.dumps(out).encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        replies = json.loads(f.read())
+    os.waitpid(pid, 0)
+    assert replies == [{"error": "permission denied: this mount belongs to another user", "final": True}]
+
+
+def test_bad_requests_get_an_error_not_a_dead_server(server):
+    assert "unknown request" in list(request(server, {"op": "format-disk"}, timeout=5))[-1]["error"]
+    assert list(request(server, {"op": "ping"}, timeout=5))[-1]["pong"] is True
