@@ -20,6 +20,24 @@ def drop_pages(path):
         os.close(fd)
 
 
+def wait_stopped(pid, timeout=10.0):
+    """SIGSTOP takes effect when each thread is next scheduled: on a loaded machine a
+    thread can serve a request or two after kill() returns."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states and all(state in "Tt" for state in states):
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop")
+
+
 def read(path):
     with open(path, "rb") as f:
         return f.read()
@@ -48,6 +66,7 @@ def test_a_hung_source_times_out_and_cached_files_stay_readable(tmp_path, mounts
     server = mounts.procs[-1]
     server.send_signal(signal.SIGSTOP)                              # the store stops answering
     try:
+        wait_stopped(server.pid)
         drop_pages(mp / "a")
         assert read(mp / "a") == b"a" * 50_000
         # each waits out the timeout (the kernel retries a failed read-ahead once: 1-2 s)
