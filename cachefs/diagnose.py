@@ -299,15 +299,13 @@ def judge(raw: dict[str, Any], load: dict[str, Any], target: float, cache: dict[
 
 
 def _cache_advice(cache: dict[str, Any]) -> list[str]:
-    out = []
     hit = cache.get("block_hit_rate")
-    if hit is not None and hit < 0.9:
-        out.append(f"the cache served only {hit:.0%} of blocks over the run: warm it first "
-                   "(`cachefs warm MOUNTPOINT`), or give it room for the dataset (--ram-size, --disk-size)")
-    if hit is not None and hit < 0.9:
-        out.append("if the dataset is larger than the cache, wrap your sampler in "
-                   "cachefs.torch.HintedSampler: the daemon then fetches the coming batches ahead")
-    return out or ["the cache is serving what it holds; the source behind it sets the pace of misses"]
+    if hit is None or hit >= 0.9:
+        return ["the cache is serving what it holds; the source behind it sets the pace of misses"]
+    return [f"the cache served only {hit:.0%} of blocks over the run: warm it first "
+            "(`cachefs warm MOUNTPOINT`), or give it room for the dataset (--ram-size, --disk-size)",
+            "if the dataset is larger than the cache, wrap your sampler in "
+            "cachefs.torch.HintedSampler: the daemon then fetches the coming batches ahead"]
 
 
 def _ms(v: float | None) -> str:
