@@ -337,7 +337,7 @@ class Core:
                 result = self._run_owned(key, pending, lambda: self._fetch(key, fid, index))
             else:
                 self.stats.incr("reads.inflight_waits")
-                result = self._wait(pending, key)
+                result = self._wait(pending)
         # After the data is in hand, whichever way it came: read-ahead marks a block before
         # any reader can see it, so a block it fetched is counted used exactly once.
         if self._ahead:
@@ -346,7 +346,7 @@ class Core:
             self.hints.on_read(key)
         return result
 
-    def _wait(self, pending: Future, key: bytes) -> tuple[bytes, str]:
+    def _wait(self, pending: Future) -> tuple[bytes, str]:
         """Another thread's fetch of the block we need: at most --source-timeout (it may be a
         prefetch thread stuck on a source that stopped answering)."""
         try:
@@ -491,12 +491,12 @@ class Core:
             if data is not None:
                 pinned = ram.pin(key)
                 return data, "ram"
-            data = self.cache.disk.get(key) if self.cache.disk is not None else None
+            data = disk.get(key) if disk is not None else None
             tier = "disk"
             if data is None:
                 data, tier = self._fetch_source(fid, index), "source"
-                if self.cache.disk is not None:
-                    self.cache.disk.put(key, data)  # as the demand miss it stands for
+                if disk is not None:
+                    disk.put(key, data)  # as the demand miss it stands for
             pinned = ram.put_pinned(key, data, pin_limit)  # before any waiter wakes
             return data, tier
 
@@ -558,17 +558,14 @@ class Core:
         start = time.monotonic()
         try:
             result = self._call_source(op, fn, args)
-        except FileNotFoundError:
-            self._source_answered()
-            raise
         except OSError as exc:
             if exc.errno in _SOURCE_DOWN:
                 self._source_down(op, args, exc)
                 self.stats.incr("source.errors")
             else:
                 self._source_answered()  # an error about one file is still an answer
-                # "no such attribute" is an answer, not a failure of the source
-                if exc.errno not in _ANSWERS and not isinstance(exc, SourceChanged):
+                # "no such file" or "no such attribute" is an answer, not a failure of the source
+                if exc.errno not in _ANSWERS and not isinstance(exc, (FileNotFoundError, SourceChanged)):
                     self.stats.incr("source.errors")
             raise
         finally:
@@ -580,7 +577,7 @@ class Core:
         """fn(*args), given at most --source-timeout: it runs on a thread of its own, so a
         request that hangs holds that thread, not the reader's. The prefetch pool's own
         threads call it directly: nobody waits on them but a reader of the same block, and
-        that wait is bounded too (see _block). The hand-off costs a cold epoch about 15%."""
+        that wait is bounded too (see _wait). The hand-off costs a cold epoch about 10%."""
         if self._source_pool is None or threading.current_thread().name.startswith(PREFETCH_THREAD):
             return fn(*args)
         future = self._source_pool.submit(fn, *args)

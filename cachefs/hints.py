@@ -14,8 +14,9 @@ job will read them, up to `lookahead` samples ahead of it.
 
 The daemon (HintBoard):
   - fetches each session's paths in order, on the prefetch pool, ahead of everything but
-    demand misses, into RAM from NVMe or the source (a source fetch is also offered to
-    NVMe, as a demand miss would be);
+    demand misses, into RAM from the source (also offered to NVMe, as a demand miss would
+    be), and from NVMe only while NVMe reads take HINT_DISK_LATENCY or more: below that
+    the job's own read costs less than fetching ahead;
   - pins each block it fetched until the job reads it: no policy evicts a pinned block,
     and a hinted block replaces unpinned ones (oldest access first) whatever the policy;
   - keeps at most `budget` bytes pinned: HINT_RAM_SHARE of the RAM tier, split evenly
@@ -36,7 +37,7 @@ import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from cachefs.blocks import FileId, block_extent, block_key
 
@@ -215,7 +216,7 @@ class HintBoard:
         sessions = [s for s in self._sessions.values() if s.queue]
         if not sessions:
             return None
-        budget = self.limit // len(self._sessions)
+        budget = self.budget()
         for i in range(len(sessions)):
             session = sessions[(self._turn + i) % len(sessions)]
             if session.full or session.pinned + session.reserved >= budget:
@@ -294,12 +295,6 @@ class HintBoard:
             self.holding = True
         core.stats.add_many({f"hint.from_{outcome}": 1, "hint.bytes": length})
         return True
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        with self._lock:
-            return [{"session": s.id, "label": s.label, "queued": len(s.queue), "pinned_bytes": s.pinned,
-                     "received": s.received, "yielded": s.yielded} for s in self._sessions.values()]
-
 
 class HintClient:
     """One session, from the job's side. Every failure (no cachefs at the path, an old

@@ -286,16 +286,21 @@ class Policy:
     def _victims(self, need: int) -> list[Hashable] | None:
         raise NotImplementedError
 
-    def _lru_victims(self, need: int) -> list[Hashable] | None:
-        """Stale entries, then unpinned ones oldest access first; None if they cannot free `need`."""
+    def _lru_victims(self, need: int, usable: Callable[[Hashable], bool] | None = None) -> list[Hashable] | None:
+        """Stale entries, then unpinned ones oldest access first, up to the first one that is
+        not `usable` (entries are in access order: with an age test, none after it is usable
+        either); None if they cannot free `need`."""
         victims, freed = self._stale_victims(need)
         chosen = set(victims)
         for key, (size, _, _) in self._entries.items():
             if freed >= need:
                 break
-            if key not in chosen and key not in self._pins:
-                victims.append(key)
-                freed += size
+            if key in chosen or key in self._pins:
+                continue
+            if usable is not None and not usable(key):
+                break
+            victims.append(key)
+            freed += size
         return victims if freed >= need else None
 
     def _stale_victims(self, need: int) -> tuple[list[Hashable], int]:
@@ -357,18 +362,7 @@ class KeepPolicy(Policy):
     name = "keep"
 
     def _victims(self, need: int) -> list[Hashable] | None:
-        victims, freed = self._stale_victims(need)
-        chosen = set(victims)
-        for key, (size, _, _) in self._entries.items():
-            if freed >= need:
-                break
-            if key in chosen or key in self._pins:
-                continue
-            if not self.is_idle(key):
-                break  # entries are in access order: nothing after this one is idle either
-            victims.append(key)
-            freed += size
-        return victims if freed >= need else None
+        return self._lru_victims(need, usable=self.is_idle)
 
 
 def make_policy(name: str, capacity: int, max_idle: float | None = None,
