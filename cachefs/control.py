@@ -46,27 +46,35 @@ class ControlServer:
         self.streams = streams or {}
         self.owner = os.getuid() if owner is None else owner
         self._sock: socket.socket | None = None
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.bind(self.address)
         sock.listen(16)
         self._sock = sock
-        threading.Thread(target=self._accept_loop, name="cachefs-control", daemon=True).start()
+        self._thread = threading.Thread(target=self._accept_loop, args=(sock,), name="cachefs-control", daemon=True)
+        self._thread.start()
 
     def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._sock.close()
-            self._sock = None
+        """Stop listening and free the name before returning. An accept() blocked in the
+        other thread holds the socket open in the kernel until shutdown() wakes it, so the
+        name stays taken until that thread has left accept(): join it first."""
+        sock, self._sock = self._sock, None
+        if sock is None:
+            return
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        sock.close()
 
-    def _accept_loop(self) -> None:
-        while self._sock is not None:
+    def _accept_loop(self, sock: socket.socket) -> None:
+        while self._sock is sock:
             try:
-                conn, _ = self._sock.accept()
+                conn, _ = sock.accept()
             except OSError:
                 return
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()

@@ -2,18 +2,20 @@
 is public (abstract namespace, published in user.cachefs.info), so the check is the peer's
 credentials (SO_PEERCRED), not the socket's mode."""
 
+import itertools
 import json
 import os
-import threading
 
 import pytest
 
 from cachefs.control import ControlServer, request
 
+_names = itertools.count()
+
 
 @pytest.fixture
 def server():
-    address = f"\0cachefs-test-control-{os.getpid()}-{threading.get_ident()}"
+    address = f"\0cachefs-test-control-{os.getpid()}-{next(_names)}"
     srv = ControlServer(address, {"ping": lambda req, send: {"pong": True}}, owner=os.getuid())
     srv.start()
     yield address
@@ -49,3 +51,15 @@ def test_another_user_is_refused(server):
 def test_bad_requests_get_an_error_not_a_dead_server(server):
     assert "unknown request" in list(request(server, {"op": "format-disk"}, timeout=5))[-1]["error"]
     assert list(request(server, {"op": "ping"}, timeout=5))[-1]["pong"] is True
+
+
+def test_close_frees_the_name_at_once():
+    """A remount in the same process binds the same name right after the old server closed:
+    close() must not return while the accept thread still holds the socket (CI once failed
+    with EADDRINUSE here; the loop reproduced it within a few hundred rounds)."""
+    address = f"\0cachefs-test-control-{os.getpid()}-{next(_names)}"
+    for _ in range(300):
+        srv = ControlServer(address, {"ping": lambda req, send: {"pong": True}})
+        srv.start()
+        assert list(request(address, {"op": "ping"}, timeout=5))[-1]["pong"] is True
+        srv.close()
