@@ -549,6 +549,11 @@ class Core:
                 self._ahead.discard(key)
             self.stats.incr("prefetch.wasted")
 
+    @property
+    def source_down(self) -> bool:
+        """The source stopped answering (SOURCE_DOWN_AFTER requests in a row timed out)."""
+        return self._down_since is not None
+
     def _source_call(self, op: str, fn: Callable, *args):  # type: ignore[type-arg]
         self.stats.incr(f"source.{op}")
         if self._down_since is not None and not self._probe_due():

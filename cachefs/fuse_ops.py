@@ -56,6 +56,10 @@ XATTR_INFO = CONTROL_PREFIX + "info"
 REPLY_GRACE = 0.05
 
 _QUIET_ERRNOS = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.ENOSYS}
+# Each (operation, path, errno) is logged once: a job that retries a bad file every epoch,
+# or a million reads failing while the source is down, must not flood the log. Repeats are
+# counted (fuse.errors) and logged at debug level. The memory of what was logged is bounded.
+LOGGED_ERRORS_MAX = 10_000
 
 
 def _fuse_op(fn: Callable) -> Callable:  # type: ignore[type-arg]
@@ -74,8 +78,7 @@ def _fuse_op(fn: Callable) -> Callable:  # type: ignore[type-arg]
             code = to_errno(exc)
             if code not in _QUIET_ERRNOS:
                 self.core.stats.incr("fuse.errors")
-                log.warning("%s %s: %s (errno %d %s)", fn.__name__, path, exc, code,
-                            errno.errorcode.get(code, "?"), exc_info=log.isEnabledFor(logging.DEBUG))
+                self._log_error(name, path, exc, code)
             raise FuseOSError(code) from None
         finally:
             # time spent in the daemon per operation: where a slow request's time goes
@@ -107,6 +110,18 @@ class CachefsOperations(fuse_binding.Operations):
         self._fuse_ptr: int | None = None
         self._changed: queue.Queue[str] = queue.Queue()
         core.on_source_changed = self._source_changed
+        self._logged_errors: set[tuple[str, str | None, int]] = set()
+
+    def _log_error(self, op: str, path: str | None, exc: BaseException, code: int) -> None:
+        key = (op, path, code)
+        # while the source is down its one warning says so; each file's failure is counted
+        first = key not in self._logged_errors and not (code == errno.ETIMEDOUT and self.core.source_down)
+        if first:
+            if len(self._logged_errors) >= LOGGED_ERRORS_MAX:
+                self._logged_errors.clear()
+            self._logged_errors.add(key)
+        log.log(logging.WARNING if first else logging.DEBUG, "%s %s: %s (errno %d %s)", op, path, exc, code,
+                errno.errorcode.get(code, "?"), exc_info=log.isEnabledFor(logging.DEBUG))
 
     # -- lifecycle -----------------------------------------------------------------------
 

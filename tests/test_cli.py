@@ -27,7 +27,7 @@ def listing(root):
     "cache-unwritable", "cache-is-file", "bad-block-size", "negative-prefetch-workers", "warm-without-workers",
     "log-file-in-source", "log-file-dir-missing",
 ])
-def test_bad_mount_requests(case, tree, capsys):
+def test_bad_mount_requests(case, tree, capsys, fault_report):
     tmp, src, mp = tree
     cache = tmp / "cache"
     args = {"src": src, "mp": mp, "cache": cache, "extra": []}
@@ -74,6 +74,8 @@ def test_bad_mount_requests(case, tree, capsys):
     assert "Traceback" not in err
     assert listing(tmp) == before          # nothing written: no cache dir, no files
     assert not os.path.ismount(mp)
+    fault_report("impossible mount request (paths inside each other, missing, unwritable)",
+                 "one-line error, exit 2; nothing mounted, nothing written", "-")
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -96,12 +98,14 @@ def test_bad_mount_requests(case, tree, capsys):
     (["diagnose", "d", "--transform", "sepia"], "invalid --transform"),
     (["diagnose", "d", "--seconds", "forever"], "invalid --seconds"),
 ])
-def test_usage_errors_are_one_line_and_exit_2(argv, needle, capsys):
+def test_usage_errors_are_one_line_and_exit_2(argv, needle, capsys, fault_report):
     with pytest.raises(SystemExit) as info:
         main(argv)
     _, err = capsys.readouterr()
     assert info.value.code == 2
     assert needle in err and err.count("\n") == 1, err
+    fault_report("nonsense option value (negative, unknown unit, huge, not a number)",
+                 "one-line error, exit 2", "-")
 
 
 def test_stats_of_a_plain_directory_is_a_clear_error(tmp_path, capsys):

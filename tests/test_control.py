@@ -28,7 +28,7 @@ def test_the_owner_is_served(server):
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
-def test_another_user_is_refused(server):
+def test_another_user_is_refused(server, fault_report):
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: become nobody, then ask
@@ -46,6 +46,7 @@ def test_another_user_is_refused(server):
         replies = json.loads(f.read())
     os.waitpid(pid, 0)
     assert replies == [{"error": "permission denied: this mount belongs to another user", "final": True}]
+    fault_report("another user (nobody) sends a control request", "permission denied", "-")
 
 
 def test_bad_requests_get_an_error_not_a_dead_server(server):

@@ -42,3 +42,20 @@ def test_a_source_error_is_one_warning_line_with_path_and_errno(caplog):
 def test_debug_level_adds_the_traceback(caplog):
     _, records = failing_read(caplog, logging.DEBUG)
     assert records and records[0].exc_info and "Traceback" in caplog.text
+
+
+def test_a_file_that_keeps_failing_is_logged_once_and_counted_each_time(caplog):
+    src = MemorySource()
+    for name in ("/bad.jpg", "/worse.jpg"):
+        src.add_file(name, b"x" * 100)
+        src.faults[("read_range", name)] = errno.EIO
+    ops = ops_over(src)
+    with caplog.at_level(logging.INFO, logger="cachefs"):
+        for _ in range(5):                                   # five epochs retry the same file
+            with pytest.raises(FuseOSError):
+                ops.read("/bad.jpg", 100, 0, None)
+        with pytest.raises(FuseOSError):
+            ops.read("/worse.jpg", 100, 0, None)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2 and "/bad.jpg" in warnings[0] and "/worse.jpg" in warnings[1]
+    assert ops.core.stats.get("fuse.errors") == 6 and ops.core.stats.get("source.errors") == 6

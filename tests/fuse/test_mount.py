@@ -26,6 +26,11 @@ GiB = 1 << 30
 SPARSE_SIZE = 5 * GiB
 SPARSE_MARKS = {0: b"start", 2**31 - 3: b"across-2GiB", 2**32 - 5: b"across-4GiB", SPARSE_SIZE - 4: b"end!"}
 LONG_NAME = "L" * 255
+# Names a daemon that builds paths from strings could get wrong (issue 7, item 9): control
+# bytes either side of where a C string would end, dot-names that are not `.` or `..`, a
+# longest component that is not UTF-8 at all.
+HOSTILE_NAMES = [b"\x01ctrl\x1f", b"del\x7f", b"...", b"..\x01", b".. ", b"\\..", b"\xff" * 255]
+ESCAPE = "../" * 16 + "etc/hostname"  # a link out of the source, for the reader to resolve
 
 
 def build_zoo(root):
@@ -41,6 +46,11 @@ def build_zoo(root):
             f.write(name.encode("utf-8") * 3)
     with open(os.path.join(os.fsencode(root), b"bad-\xff\xfe-utf8"), "wb") as f:
         f.write(b"not utf-8 name")
+    for name in HOSTILE_NAMES:
+        with open(os.path.join(os.fsencode(root), name), "wb") as f:
+            f.write(name[:40] * 2)
+    os.symlink(ESCAPE, j("escape"))
+    os.symlink("..", j("up"))
     open(j("empty"), "wb").close()
     with open(j("one"), "wb") as f:
         f.write(b"1")
@@ -130,6 +140,32 @@ def test_tree_is_identical_through_the_mount(zoo, mounts):
     assert os.readlink(os.path.join(mp, "abs-link")) == "/etc/hostname"
     assert os.stat(os.path.join(mp, "one")).st_mtime_ns == 1_600_000_000_987_654_321
     assert stat.S_ISFIFO(os.lstat(os.path.join(mp, "fifo")).st_mode)
+
+
+def test_hostile_names_stay_inside_the_source(zoo, mounts, fault_report):
+    mp = os.fsencode(mounts.cachefs(zoo))
+    root = os.fsencode(zoo)
+    for name in HOSTILE_NAMES:
+        with open(os.path.join(mp, name), "rb") as f:
+            assert f.read() == name[:40] * 2, name
+    assert set(HOSTILE_NAMES) <= set(os.listdir(mp))
+    with pytest.raises(OSError) as exc:                     # one byte over NAME_MAX
+        os.stat(os.path.join(mp, b"L" * 256))
+    assert exc.value.errno == errno.ENAMETOOLONG
+    # links stay links: the daemon hands back their text and never opens what they name
+    assert os.readlink(os.path.join(mp, b"escape")) == os.fsencode(ESCAPE)
+    for link in (b"escape", b"up", b"abs-link"):
+        assert stat.S_ISLNK(os.lstat(os.path.join(mp, link)).st_mode)
+        with pytest.raises(OSError) as exc:
+            os.open(os.path.join(mp, link), os.O_RDONLY | os.O_NOFOLLOW)
+        assert exc.value.errno == errno.ELOOP
+    # `..` is resolved by the kernel before cachefs sees a path: through the mount it leads
+    # where it leads from the mount point, as it does from the source
+    assert os.path.realpath(os.path.join(mp, b"up")) == os.path.dirname(mp)
+    assert os.path.realpath(os.path.join(root, b"up")) == os.path.dirname(root)
+    assert sorted(os.listdir(os.path.join(mp, b"d", b"..", b"d"))) == [b"d"]
+    fault_report("control bytes, dot-names, 255-byte non-UTF-8 name; links out of the source",
+                 "exact bytes; ENAMETOOLONG at 256; links stay links (ELOOP with O_NOFOLLOW)", "-")
 
 
 def test_errors_and_the_source_is_never_written(zoo, mounts):
@@ -420,7 +456,7 @@ def test_changed_source_file_is_served_new_after_the_ttl(tmp_path, mounts):
     assert (mp / "f").read_bytes() == b"version 3, same size"
 
 
-def test_corrupted_cache_block_is_detected_and_refetched(tmp_path, mounts):
+def test_corrupted_cache_block_is_detected_and_refetched(tmp_path, mounts, fault_report):
     src = tmp_path / "src"
     src.mkdir()
     data = os.urandom(1 << 20)
@@ -441,9 +477,12 @@ def test_corrupted_cache_block_is_detected_and_refetched(tmp_path, mounts):
     s = stats(mp)
     assert s["disk"]["checksum_failures"] == 1
     assert s["source"]["read_range"] == 1
+    fault_report("one byte flipped in a cached NVMe block", "the source's bytes",
+                 f"disk.checksum_failures={s['disk']['checksum_failures']}, "
+                 f"source.read_range={s['source']['read_range']} (refetched)")
 
 
-def test_a_file_rewritten_mid_read_is_never_served_as_a_mix(tmp_path, mounts):
+def test_a_file_rewritten_mid_read_is_never_served_as_a_mix(tmp_path, mounts, fault_report):
     src = tmp_path / "src"
     src.mkdir()
     old, new = os.urandom(4 << 20), os.urandom(3 << 20)
@@ -469,7 +508,10 @@ def test_a_file_rewritten_mid_read_is_never_served_as_a_mix(tmp_path, mounts):
         if got == new:
             break
     assert "new" in outcomes, outcomes               # the kernel was told; the new file is served
-    assert stats(mp)["source"]["changed"] >= 1
+    changed = stats(mp)["source"]["changed"]
+    assert changed >= 1
+    fault_report("file rewritten on the source mid-read", f"{' then '.join(sorted(outcomes))}, never a mix",
+                 f"source.changed={changed}")
 
 
 def test_open_per_handle_mode_serves_the_same_bytes(zoo, mounts):
