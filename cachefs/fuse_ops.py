@@ -16,6 +16,7 @@ Kernel-side caching does the heavy lifting for a warm epoch:
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import functools
@@ -56,10 +57,45 @@ XATTR_INFO = CONTROL_PREFIX + "info"
 REPLY_GRACE = 0.05
 
 _QUIET_ERRNOS = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.ENOSYS}
-# Each (operation, path, errno) is logged once: a job that retries a bad file every epoch,
-# or a million reads failing while the source is down, must not flood the log. Repeats are
-# counted (fuse.errors) and logged at debug level. The memory of what was logged is bounded.
-LOGGED_ERRORS_MAX = 10_000
+
+
+class ErrorLog:
+    """Which failures get a warning line. A job that retries a bad file every epoch, or a
+    directory of a million files it may not read, must not flood the log: each (operation,
+    path, errno) is warned about once an hour, at most `per_kind` different paths per
+    (operation, errno) an hour, and then one line says the rest are only counted. Every
+    failure is counted (fuse.errors) and logged at debug level. Memory is bounded: the
+    paths are remembered least recently warned first out."""
+
+    def __init__(self, max_paths: int = 10_000, per_kind: int = 100, window: float = 3600.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_paths, self.per_kind, self.window, self._clock = max_paths, per_kind, window, clock
+        self._warned: collections.OrderedDict[tuple[str, str | None, int], float] = collections.OrderedDict()
+        self._kinds: dict[tuple[str, int], tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def level(self, op: str, path: str | None, code: int) -> tuple[int, str | None]:
+        """The level to log this failure at, and a summary line to log once as well."""
+        now = self._clock()
+        key = (op, path, code)
+        with self._lock:
+            last = self._warned.get(key)
+            if last is not None and now - last < self.window:
+                return logging.DEBUG, None
+            start, count = self._kinds.get((op, code), (now, 0))
+            if now - start >= self.window:
+                start, count = now, 0
+            self._kinds[(op, code)] = (start, count + 1)
+            if count >= self.per_kind:
+                summary = (f"{op}: more than {self.per_kind} files failed with {errno.errorcode.get(code, code)} "
+                           f"within {self.window / 3600:g}h; the rest are counted in fuse.errors and logged "
+                           "at debug level (-vv)") if count == self.per_kind else None
+                return logging.DEBUG, summary
+            self._warned[key] = now
+            self._warned.move_to_end(key)
+            while len(self._warned) > self.max_paths:
+                self._warned.popitem(last=False)
+            return logging.WARNING, None
 
 
 def _fuse_op(fn: Callable) -> Callable:  # type: ignore[type-arg]
@@ -110,18 +146,17 @@ class CachefsOperations(fuse_binding.Operations):
         self._fuse_ptr: int | None = None
         self._changed: queue.Queue[str] = queue.Queue()
         core.on_source_changed = self._source_changed
-        self._logged_errors: set[tuple[str, str | None, int]] = set()
+        self._errors = ErrorLog()
 
     def _log_error(self, op: str, path: str | None, exc: BaseException, code: int) -> None:
-        key = (op, path, code)
-        # while the source is down its one warning says so; each file's failure is counted
-        first = key not in self._logged_errors and not (code == errno.ETIMEDOUT and self.core.source_down)
-        if first:
-            if len(self._logged_errors) >= LOGGED_ERRORS_MAX:
-                self._logged_errors.clear()
-            self._logged_errors.add(key)
-        log.log(logging.WARNING if first else logging.DEBUG, "%s %s: %s (errno %d %s)", op, path, exc, code,
+        if code == errno.ETIMEDOUT and self.core.source_down:
+            level, summary = logging.DEBUG, None  # the source's one warning stands for these
+        else:
+            level, summary = self._errors.level(op, path, code)
+        log.log(level, "%s %s: %s (errno %d %s)", op, path, exc, code,
                 errno.errorcode.get(code, "?"), exc_info=log.isEnabledFor(logging.DEBUG))
+        if summary:
+            log.warning(summary)
 
     # -- lifecycle -----------------------------------------------------------------------
 

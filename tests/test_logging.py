@@ -59,3 +59,22 @@ def test_a_file_that_keeps_failing_is_logged_once_and_counted_each_time(caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 2 and "/bad.jpg" in warnings[0] and "/worse.jpg" in warnings[1]
     assert ops.core.stats.get("fuse.errors") == 6 and ops.core.stats.get("source.errors") == 6
+
+
+def test_the_error_log_warns_once_an_hour_per_path_and_caps_each_kind(clock):
+    from cachefs.fuse_ops import ErrorLog
+
+    elog = ErrorLog(max_paths=50, per_kind=10, window=3600, clock=clock)
+    W, D = logging.WARNING, logging.DEBUG
+    assert elog.level("read", "/a", errno.EIO) == (W, None)
+    assert elog.level("read", "/a", errno.EIO) == (D, None)            # a repeat
+    assert elog.level("read", "/a", errno.EACCES)[0] == W               # another errno
+    assert elog.level("open", "/a", errno.EIO)[0] == W                  # another operation
+    clock.advance(3601)
+    assert elog.level("read", "/a", errno.EIO) == (W, None)             # an hour later, again
+    levels = [elog.level("read", f"/many/{i}", errno.EACCES) for i in range(30)]
+    assert [lv for lv, _ in levels].count(W) == 10                     # 10 per kind an hour
+    summaries = [s for _, s in levels if s]
+    assert len(summaries) == 1 and "more than 10 files failed with EACCES" in summaries[0]
+    assert elog.level("read", "/other", errno.EIO)[0] == W              # other kinds go on
+    assert len(elog._warned) <= 50

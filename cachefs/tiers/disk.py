@@ -297,12 +297,18 @@ class DiskTier:
         log.info("NVMe tier index: %d blocks", len(rows) - len(foreign))
 
     def _remove_orphans(self) -> None:
-        """Delete value files that no index row names: a `kill -9` between writing a block's
-        file and committing its row leaves one, and the budget could not count it. Files
-        younger than ORPHAN_AGE are left alone: another daemon sharing the cache dir may be
-        about to commit their rows."""
-        named = {name for (name,) in self._cache._sql(
-            "SELECT filename FROM Cache WHERE filename IS NOT NULL").fetchall()}
+        """Make the files and the index agree again after an unclean stop.
+
+        A value file that no row names: a `kill -9` between writing a block's file and
+        committing its row leaves one, and the budget could not count it. Files younger
+        than ORPHAN_AGE are left alone: another daemon sharing the cache dir may be about
+        to commit their rows. A row whose file is gone: inside the writer's transaction,
+        diskcache deletes an evicted or replaced block's file at once, and the row's delete
+        waits for the commit, which a `kill -9` never reaches. Such a row reads as a miss,
+        but the budget would count it until the block was written again."""
+        rows = self._cache._sql("SELECT key, filename FROM Cache WHERE filename IS NOT NULL").fetchall()
+        named = {name for _, name in rows}
+        present = set()
         cutoff = time.time() - ORPHAN_AGE
         removed = freed = 0
         for sub in "0123456789abcdef"[:SUBDIRS]:
@@ -311,6 +317,7 @@ class DiskTier:
             except FileNotFoundError:
                 continue
             for entry in entries:
+                present.add(f"{sub}/{entry.name}")
                 if not entry.name.endswith(".val") or f"{sub}/{entry.name}" in named:
                     continue
                 try:
@@ -324,6 +331,20 @@ class DiskTier:
         if removed:
             log.warning("NVMe tier: removed %d orphaned block files (%s) left by an unclean stop",
                         removed, format_size(freed))
+        dangling = 0
+        for key, name in rows:
+            if name in present:
+                continue
+            # look again right before deleting: another daemon may have rewritten the block
+            now = self._cache._sql("SELECT filename FROM Cache WHERE key = ?", (key,)).fetchone()
+            if now is not None and now[0] == name and not os.path.exists(os.path.join(self._dir, name)):
+                self._cache.delete(key, retry=True)
+                with self._plock:
+                    self.policy.remove(key)
+                dangling += 1
+        if dangling:
+            log.warning("NVMe tier: dropped %d index entries whose block files an unclean stop had "
+                        "already deleted", dangling)
 
     # -- reads -----------------------------------------------------------------------
 
