@@ -272,14 +272,16 @@ class DiskTier:
     def _load_index(self) -> None:
         """Rebuild the policy from the database, oldest first; drop rows of an older format."""
         rows = self._cache._sql(
-            "SELECT key, CASE WHEN filename IS NULL THEN length(value) ELSE size END"
+            "SELECT key, CASE WHEN filename IS NULL THEN length(value) ELSE size END, filename"
             " FROM Cache ORDER BY store_time").fetchall()
-        foreign = []
+        foreign, files = [], []
         with self._plock:
             self.policy.capacity = 1 << 62  # restored as found; _refresh_limits trims
-            for key, size in rows:
+            for key, size, filename in rows:
                 if isinstance(key, bytes) and len(key) == 16:
                     self.policy.admit(key, _allocated(int(size or 0)))
+                    if filename is not None:
+                        files.append((key, filename))
                 else:
                     foreign.append(key)
         for key in foreign:  # written by an older cachefs under full keys: not findable now
@@ -290,14 +292,15 @@ class DiskTier:
             for entry in it:
                 if entry.is_dir(follow_symlinks=False) and len(entry.name) == 2:
                     shutil.rmtree(entry.path, ignore_errors=True)  # that format's directories
-        self._remove_orphans()
+        self._remove_orphans(files)
         self._dirs_at_start = sum(os.stat(os.path.join(self._dir, d)).st_blocks * 512
                                   for d in [".", *os.listdir(self._dir)]
                                   if os.path.isdir(os.path.join(self._dir, d)))
         log.info("NVMe tier index: %d blocks", len(rows) - len(foreign))
 
-    def _remove_orphans(self) -> None:
-        """Make the files and the index agree again after an unclean stop.
+    def _remove_orphans(self, rows: list[tuple[bytes, str]]) -> None:
+        """Make the files and the index (its (key, filename) rows) agree again after an
+        unclean stop.
 
         A value file that no row names: a `kill -9` between writing a block's file and
         committing its row leaves one, and the budget could not count it. Files younger
@@ -306,7 +309,6 @@ class DiskTier:
         diskcache deletes an evicted or replaced block's file at once, and the row's delete
         waits for the commit, which a `kill -9` never reaches. Such a row reads as a miss,
         but the budget would count it until the block was written again."""
-        rows = self._cache._sql("SELECT key, filename FROM Cache WHERE filename IS NOT NULL").fetchall()
         named = {name for _, name in rows}
         present = set()
         cutoff = time.time() - ORPHAN_AGE
@@ -317,8 +319,9 @@ class DiskTier:
             except FileNotFoundError:
                 continue
             for entry in entries:
-                present.add(f"{sub}/{entry.name}")
-                if not entry.name.endswith(".val") or f"{sub}/{entry.name}" in named:
+                name = f"{sub}/{entry.name}"
+                present.add(name)
+                if not entry.name.endswith(".val") or name in named:
                     continue
                 try:
                     st = entry.stat(follow_symlinks=False)

@@ -16,7 +16,6 @@ import pytest
 from cachefs.config import DEFAULT_BLOCK_SIZE
 from cachefs.tiers.disk import WRITE_BATCH
 from tests.fuse.conftest import cli, stats
-from tools.mounts import mount_cachefs
 from tools.slowfs import read_stats as slowfs_stats
 from tools.slowfs import reset_stats as slowfs_reset
 
@@ -163,10 +162,7 @@ def test_kill_9_during_heavy_cache_writes_serves_no_partial_block_after_remount(
         expected[f"f{i:03d}"] = _sha(data)
     total_blocks = sum(-(-(src / n).stat().st_size // DEFAULT_BLOCK_SIZE) for n in expected)
     slow = mounts.slowfs(src, latency="1ms", bandwidth="40MB")
-    cache = tmp_path / "cache"
-    mp = tmp_path / "mnt"
-    mount_cachefs(slow, mp, cache, ram_size="16MiB")
-    mounts.points.append(mp)
+    mp = mounts.cachefs(str(slow), extra=("--ram-size", "16MiB"))
     paths = [mp / n for n in expected]
     seen, wrong, stop = [], [], threading.Event()
     readers = [threading.Thread(target=_reader, args=(paths, expected, seen, wrong, stop)) for _ in range(6)]
@@ -188,7 +184,7 @@ def test_kill_9_during_heavy_cache_writes_serves_no_partial_block_after_remount(
     assert not wrong and seen, (len(wrong), len(seen))
     # no read-ahead now: each block is read once, from the cache if it was committed
     start = time.monotonic()
-    proc = cli("mount", slow, mp, "--cache-dir", cache, "--ram-size", "16MiB", "--disk-size", "1GiB",
+    proc = cli("mount", slow, mp, "--cache-dir", tmp_path / "cache", "--ram-size", "16MiB", "--disk-size", "1GiB",
                "--readahead", "off")
     took = time.monotonic() - start
     assert proc.returncode == 0, proc.stderr
