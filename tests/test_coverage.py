@@ -8,7 +8,7 @@ from cachefs.coverage import coverage
 from cachefs.memsource import MemorySource
 from cachefs.stats import Stats
 from cachefs.tiers.disk import DiskTier
-from tests.conftest import make_core
+from tests.helpers import make_core
 
 BS = 64 << 10
 

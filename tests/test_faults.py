@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cachefs import core as core_mod
-from tests.conftest import make_core
+from tests.helpers import make_core
 
 BS = 64 << 10
 

@@ -14,7 +14,7 @@ from cachefs.mount import control_streams
 from cachefs.policy import make_policy
 from cachefs.prefetch import Prefetcher
 from cachefs.tiers.disk import DiskTier
-from tests.conftest import make_core
+from tests.helpers import make_core
 
 BS = 64 << 10
 FILE = 50_000  # one block per file, like an ImageNet JPEG

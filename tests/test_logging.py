@@ -9,7 +9,7 @@ import pytest
 from cachefs.config import Config
 from cachefs.fuse_ops import CachefsOperations, FuseOSError
 from cachefs.memsource import MemorySource
-from tests.conftest import make_core
+from tests.helpers import make_core
 
 
 def ops_over(source):

@@ -1,8 +1,8 @@
 import json
 import threading
 
-from cachefs.stats import LATENCY_BUCKETS, SCHEMA_VERSION, Histogram, Stats
-from tests.conftest import FakeClock
+from cachefs.stats import COUNTERS, GAUGES, HISTOGRAMS, LATENCY_BUCKETS, SCHEMA_VERSION, Histogram, Stats
+from tests.helpers import FakeClock
 
 
 def test_snapshot_is_plain_nested_data():
@@ -15,11 +15,22 @@ def test_snapshot_is_plain_nested_data():
     clock.advance(2.5)
     snap = s.snapshot()
     assert snap["schema"] == SCHEMA_VERSION
-    assert snap["ram"] == {"hits": 3, "misses": 1, "used_bytes": 42}
-    assert snap["source"] == {"bytes": 100}
+    assert snap["ram"]["hits"] == 3 and snap["ram"]["misses"] == 1 and snap["ram"]["used_bytes"] == 42
+    assert snap["source"]["bytes"] == 100
     assert snap["info"]["source"] == "/x" and "pid" in snap["info"]
     assert snap["uptime_s"] == 2.5
     assert json.loads(json.dumps(snap)) == snap
+
+
+def test_every_counter_gauge_and_histogram_is_present_from_the_start():
+    """Scripts index the snapshot (d["disk"]["misses"]): a key must not appear only once
+    its counter has moved, nor be missing because the mount runs without that part."""
+    snap = Stats().snapshot()
+    for name in COUNTERS + GAUGES:
+        section, _, key = name.partition(".")
+        assert snap[section][key] == 0, name
+    for name in HISTOGRAMS:
+        assert snap["latency"][name]["count"] == 0 and snap["latency"][name]["p99_s"] is None
 
 
 def test_a_failing_gauge_does_not_break_stats():

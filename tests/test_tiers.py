@@ -193,11 +193,11 @@ def test_multilevel_promotes_disk_hits_into_ram(disk):
     d = disk(stats=stats)
     d.put_now(b"k", b"data")
     cache = MultiLevelCache(MemoryTier(1000, stats), d, stats)
-    assert cache.get(b"k") == (b"data", "disk")
-    assert cache.get(b"k") == (b"data", "ram")
-    assert stats.get("ram.promotions") == 1
-    assert stats.get("disk.hits") == 1 and stats.get("ram.hits") == 1
-    assert cache.get(b"missing") == (None, "miss")
+    assert cache.ram.get(b"k") is None
+    assert cache.get_disk(b"k") == b"data"
+    assert cache.ram.get(b"k") == b"data"
+    assert stats.get("ram.promotions") == 1 and stats.get("disk.hits") == 1
+    assert cache.get_disk(b"missing") is None and stats.get("disk.misses") == 1
 
 
 def test_disk_tier_reopened_with_a_smaller_budget_trims_itself(disk):
@@ -380,7 +380,7 @@ def test_a_vanished_cache_dir_is_a_pass_through_for_the_reader(tmp_path, caplog)
     import shutil
 
     from cachefs.memsource import MemorySource
-    from tests.conftest import make_core
+    from tests.helpers import make_core
 
     caplog.set_level(logging.WARNING)
     source = MemorySource()

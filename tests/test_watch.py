@@ -6,7 +6,7 @@ import pytest
 
 from cachefs.stats import Stats
 from cachefs.watch import header, line, rates, watch
-from tests.conftest import FakeClock
+from tests.helpers import FakeClock
 
 
 def snapshots():

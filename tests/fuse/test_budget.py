@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.fuse.conftest import stats
+from tests.helpers import stats
 
 MiB = 1 << 20
 

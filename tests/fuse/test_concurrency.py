@@ -9,7 +9,7 @@ import threading
 
 import psutil
 
-from tests.fuse.conftest import stats
+from tests.helpers import stats
 
 OPS = 120  # per reader
 

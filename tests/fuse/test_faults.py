@@ -15,7 +15,7 @@ import pytest
 
 from cachefs.config import DEFAULT_BLOCK_SIZE
 from cachefs.tiers.disk import WRITE_BATCH
-from tests.fuse.conftest import cli, stats
+from tests.helpers import cli, stats
 from tools.slowfs import read_stats as slowfs_stats
 from tools.slowfs import reset_stats as slowfs_reset
 

@@ -3,7 +3,7 @@
 import os
 
 from cachefs.config import DEFAULT_BLOCK_SIZE
-from tests.fuse.conftest import cli, stats
+from tests.helpers import cli, stats
 from tools.slowfs import read_stats as slowfs_stats
 from tools.slowfs import reset_stats as slowfs_reset
 

@@ -49,7 +49,7 @@ def test_dataloader_with_workers_reads_the_same_samples_through_the_mount(tmp_pa
 # -- order hints ------------------------------------------------------------------------------
 
 from cachefs.torch import HintedSampler  # noqa: E402
-from tests.fuse.conftest import stats  # noqa: E402
+from tests.helpers import stats  # noqa: E402
 
 
 def drop_caches():

@@ -88,10 +88,13 @@ class ControlServer:
                 conn.sendall(json.dumps(obj).encode() + b"\n")
 
             try:
+                # Read the request before answering, even a refusal: closing a socket with
+                # unread data resets it, and the client then sees a broken pipe instead of
+                # the reason.
+                line = reader.readline(1 << 20)
                 if uid not in (self.owner, 0):
                     send({"error": "permission denied: this mount belongs to another user", "final": True})
                     return
-                line = reader.readline(1 << 20)
                 request = json.loads(line)
                 op = request.get("op")
                 if op in self.streams:

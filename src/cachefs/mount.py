@@ -15,6 +15,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from cachefs import __version__
+from cachefs import __version__, fuselib
 from cachefs.config import (
     DEFAULT_DISK_FRACTION,
     DEFAULT_DISK_MAX,
@@ -142,6 +143,7 @@ def _inside(child: str, parent: str) -> bool:
 
 
 def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
     while not os.path.exists(path):
         parent = os.path.dirname(path)
         if parent == path:
@@ -177,14 +179,17 @@ def source_is_rotational(path: str) -> bool:
     return False
 
 
-def validate(config: Config, clean_stale: bool = True) -> list[str]:
+def validate(config: Config, check_only: bool = False) -> list[str]:
     """Check a mount request; raise CachefsError (exit 2) on bad input, return notices.
 
     Writes nothing, except (only once every other check has passed) clearing a stale
     cachefs mount left at the mount point by a dead daemon, which the notices report,
-    and creating the cache dir.
+    and creating the cache dir. With `check_only` (`cachefs mount --check`, `mount -f`)
+    it writes nothing at all and says what it would do.
     """
     notices: list[str] = []
+    # Relative paths are the caller's: resolve them before anything (the daemon runs in /).
+    config.cache_dir = os.path.abspath(os.path.expanduser(config.cache_dir))
     src = os.path.abspath(config.source)
     if not os.path.exists(src):
         raise CachefsError(f"source {config.source!r} does not exist")
@@ -201,8 +206,6 @@ def validate(config: Config, clean_stale: bool = True) -> list[str]:
         if entry is None or entry.fstype != FSTYPE:
             kind = entry.fstype if entry else "unknown"
             raise CachefsError(f"{mp} is a dead mount of type {kind}; unmount it first: fusermount3 -uz {mp}")
-        if not clean_stale:
-            raise CachefsError(f"{mp} is a stale cachefs mount (its daemon died); run: cachefs umount {mp}")
     if _inside(mp, src):
         raise CachefsError(f"mount point {mp} is inside the source {src}: the mount would contain itself")
     if _inside(src, mp):
@@ -266,8 +269,11 @@ def validate(config: Config, clean_stale: bool = True) -> list[str]:
     if not os.path.exists("/dev/fuse"):
         raise CachefsError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run with --device /dev/fuse")
     _fusermount()
+    fuselib.check()
 
-    if stale:
+    if stale and check_only:
+        notices.append(f"would clear a stale cachefs mount at {mp} (its daemon had died)")
+    elif stale:
         result = fusermount_unmount(mp, lazy=True)
         if result.returncode != 0 or is_stale(mp):
             raise CachefsError(f"{mp} is a stale cachefs mount and clearing it failed: {result.stderr.strip()}")
@@ -277,12 +283,17 @@ def validate(config: Config, clean_stale: bool = True) -> list[str]:
     if not os.path.isdir(mp):
         raise CachefsError(f"mount point {config.mountpoint!r} is not a directory")
     entry = find_mount(mp)
-    if os.path.ismount(mp) or entry is not None:
+    if not stale and (os.path.ismount(mp) or entry is not None):
         what = f" ({entry.fstype} of {entry.source})" if entry else ""
         raise CachefsError(f"{mp} is already a mount point{what}")
-    if os.listdir(mp):
+    if not stale and os.listdir(mp):
         raise CachefsError(f"mount point {config.mountpoint!r} is not empty")
-    _probe_cache_dir(cache)  # last: it creates the cache dir
+    if check_only:
+        parent = _nearest_existing(cache)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise CachefsError(f"cache dir {cache} is not writable: {parent} is not writable by this user")
+    else:
+        _probe_cache_dir(cache)  # last: it creates the cache dir
 
     config.source, config.mountpoint, config.cache_dir = src, mp, cache
     return notices
@@ -495,22 +506,31 @@ def setup_logging(verbose: int, log_file: str | None) -> None:
         logging.getLogger("mfusepy").setLevel(logging.WARNING if verbose <= 1 else logging.INFO)
 
 
-def mount(config: Config, out: Callable[[str], None] = print) -> int:
-    """`cachefs mount`: validate, then serve in the foreground or as a daemon."""
+def mount(config: Config, out: Callable[[str], None] = print, check_only: bool = False) -> int:
+    """`cachefs mount`: validate, then serve in the foreground or as a daemon (or, with
+    `check_only`, say that it would)."""
     os.umask(0o077)  # the cache dir, its blocks and the log are private to this user
-    notices = validate(config)
+    notices = validate(config, check_only=check_only)
     for notice in notices:
         print(f"cachefs: {notice}", file=sys.stderr)
+    summary = (f"{config.source} at {config.mountpoint} (RAM {format_size(config.ram_size or 0)}, "
+               f"NVMe {format_size(config.disk_size or 0)} in {config.cache_dir})")
+    if check_only:
+        out(f"cachefs: check passed: would mount {summary}")
+        return 0
     prepare_cache_dir(config)
     if config.log_file is None and not config.foreground:
         config.log_file = default_log_file(config)
-    summary = (f"{config.source} at {config.mountpoint} (RAM {format_size(config.ram_size or 0)}, "
-               f"NVMe {format_size(config.disk_size or 0)} in {config.cache_dir})")
 
     if config.foreground:
         setup_logging(config.verbose, config.log_file)
+
+        def ready() -> None:
+            out(f"cachefs: mounted {summary}; Ctrl-C to unmount")
+            sd_notify(f"READY=1\nSTATUS=serving {config.source} at {config.mountpoint}")
+
         try:
-            serve(config, on_ready=lambda: out(f"cachefs: mounted {summary}; Ctrl-C to unmount"))
+            serve(config, on_ready=ready)
         except (OSError, RuntimeError) as exc:
             log.debug("%s", traceback.format_exc())
             print(f"cachefs: error: mount failed: {exc}", file=sys.stderr)
@@ -579,6 +599,24 @@ def mount(config: Config, out: Callable[[str], None] = print) -> int:
             pass
     print(f"cachefs: error: mount failed: {text.removeprefix('ERR ')} (log: {config.log_file})", file=sys.stderr)
     return 1
+
+
+def sd_notify(message: str) -> bool:
+    """Tell systemd (a Type=notify unit, see docs/admin.md) about our state; a no-op
+    outside systemd. Returns whether the message was sent."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return False
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+            sock.connect(address)
+            sock.sendall(message.encode())
+        return True
+    except OSError as exc:
+        log.warning("could not notify systemd at %s: %s", address, exc.strerror)
+        return False
 
 
 def _wait_live(mountpoint: str, pid: int, timeout: float = 5.0) -> bool:

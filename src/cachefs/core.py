@@ -57,6 +57,16 @@ _ANSWERS = {errno.ENODATA, errno.ENOTSUP, errno.EINVAL}
 _SOURCE_DOWN = {errno.ETIMEDOUT, errno.ENOTCONN}
 
 
+# The hit and miss counters a read that waited for another thread's fetch adds, by the
+# tier that fetch found the block in ("ram": it landed in RAM meanwhile).
+_WAITED = {
+    "ram": {"reads.inflight_waits": 1, "ram.hits": 1},
+    "disk": {"reads.inflight_waits": 1, "ram.misses": 1, "disk.hits": 1},
+    "source": {"reads.inflight_waits": 1, "ram.misses": 1, "disk.misses": 1},
+}
+_WAITED_NO_DISK = dict(_WAITED, source={"reads.inflight_waits": 1, "ram.misses": 1})
+
+
 def _subject(args: tuple) -> str:
     """The path a source request is about, for messages."""
     return str(getattr(args[0], "path", args[0])) if args else ""
@@ -326,18 +336,22 @@ class Core:
 
     def _block(self, fid: FileId, index: int) -> tuple[bytes, str]:
         key = block_key(self.namespace, fid, index, self.block_size)
-        data = self.cache.get_ram(key)
+        data = self.cache.ram.get(key)
         if data is not None:
             result = data, "ram"
+            self.stats.incr("ram.hits")
         else:
             # Single flight: concurrent readers of one missing block (the kernel's parallel
             # read-ahead, several DataLoader workers) share one NVMe lookup or source fetch.
             pending, owner = self._claim(key)
             if owner:
+                self.stats.incr("ram.misses")
                 result = self._run_owned(key, pending, lambda: self._fetch(key, fid, index))
             else:
-                self.stats.incr("reads.inflight_waits")
                 result = self._wait(pending)
+                # Counted where the shared fetch found the block: a read that waited for
+                # another's NVMe hit was served by the cache, not the source.
+                self.stats.add_many(_WAITED[result[1]] if self.cache.disk is not None else _WAITED_NO_DISK[result[1]])
         # After the data is in hand, whichever way it came: read-ahead marks a block before
         # any reader can see it, so a block it fetched is counted used exactly once.
         if self._ahead:

@@ -18,7 +18,8 @@ from typing import Any
 
 # Version of the snapshot's layout, shown as "schema" in `cachefs stats --json`.
 # 2: adds "latency" (histograms, with p50/p99 estimates).
-SCHEMA_VERSION = 2
+# 3: every counter, gauge and histogram is present from the start, zero until used.
+SCHEMA_VERSION = 3
 
 # Upper bounds (seconds) of the latency buckets: 50 us to 30 s, about 2.2 per decade
 # step, fine enough for a p99 within a bucket's width (the last bucket is +Inf).
@@ -26,6 +27,39 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     0.00005, 0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05,
     0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0,
 )
+
+
+# Every counter, gauge and latency histogram a snapshot holds. They are all present from
+# the start (zero until used, and a gauge of a part the mount runs without, such as the
+# NVMe tier with --disk-size 0, reads 0), so `d["disk"]["misses"]` never raises in a
+# script. docs/stats.md documents each; tests/test_stats_docs.py holds the two together.
+SOURCE_OPS = ("read_range", "stat", "listdir", "readlink", "statfs", "getxattr", "listxattr")
+FUSE_OPS = ("getattr", "opendir", "readdir", "readlink", "statfs", "open", "read", "release",
+            "getxattr", "listxattr")
+COUNTERS: tuple[str, ...] = (
+    "ram.hits", "ram.misses", "ram.served_bytes", "ram.evictions", "ram.promotions", "ram.refused", "ram.no_room",
+    "disk.hits", "disk.misses", "disk.served_bytes", "disk.evictions", "disk.writes", "disk.written_bytes",
+    "disk.dropped_writes", "disk.refused", "disk.no_room", "disk.checksum_failures", "disk.errors",
+    "disk.suspensions", "disk.suspended_writes",
+    "source.served_bytes", "source.bytes", "source.errors", "source.changed", "source.timeouts",
+    "source.down_events", "source.fast_failures",
+    *(f"source.{op}" for op in SOURCE_OPS),
+    "metadata.hits", "metadata.misses", "metadata.stale_served",
+    "fuse.errors", *(f"fuse.{op}" for op in FUSE_OPS), *(f"fuse.{op}_us" for op in FUSE_OPS),
+    "prefetch.blocks", "prefetch.bytes", "prefetch.used", "prefetch.wasted", "prefetch.no_room",
+    "prefetch.dropped", "prefetch.errors", "prefetch.dirs",
+    "warm.files_loaded", "warm.bytes_loaded",
+    "reads.requests", "reads.bytes", "reads.inflight_waits",
+    "hint.sessions_opened", "hint.paths", "hint.from_ram", "hint.from_disk", "hint.from_source", "hint.bytes",
+    "hint.used", "hint.expired", "hint.skipped", "hint.window_full", "hint.errors", "hint.left_on_disk",
+)
+GAUGES: tuple[str, ...] = (
+    "ram.used_bytes", "ram.capacity_bytes", "ram.entries",
+    "disk.used_bytes", "disk.capacity_bytes", "disk.entries", "disk.queued_bytes", "disk.suspended",
+    "source.down", "metadata.entries", "prefetch.queued", "prefetch.unused",
+    "hint.sessions", "hint.pinned_bytes", "hint.queued",
+)
+HISTOGRAMS: tuple[str, ...] = tuple(f"source.{op}" for op in SOURCE_OPS)
 
 
 def block_hit_rate(ram_hits: float, ram_misses: float, disk_hits: float) -> float | None:
@@ -90,10 +124,10 @@ class Histogram:
 class Stats:
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self._lock = threading.Lock()
-        self._counters: dict[str, int] = defaultdict(int)
-        self._gauges: dict[str, Callable[[], Any]] = {}
+        self._counters: dict[str, int] = defaultdict(int, dict.fromkeys(COUNTERS, 0))
+        self._gauges: dict[str, Callable[[], Any]] = dict.fromkeys(GAUGES, lambda: 0)
         self._info: dict[str, Any] = {}
-        self._histograms: dict[str, Histogram] = {}
+        self._histograms: dict[str, Histogram] = {name: Histogram() for name in HISTOGRAMS}
         self._clock = clock
         self._started = clock()
 

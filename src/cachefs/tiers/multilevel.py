@@ -22,19 +22,6 @@ class MultiLevelCache:
         self.disk = disk
         self._stats = stats
 
-    def get(self, key: bytes) -> tuple[bytes | None, str]:
-        """(data, tier that served it: "ram" | "disk"), or (None, "miss")."""
-        data = self.get_ram(key)
-        if data is not None:
-            return data, "ram"
-        data = self.get_disk(key)
-        return (data, "disk") if data is not None else (None, "miss")
-
-    def get_ram(self, key: bytes) -> bytes | None:
-        data = self.ram.get(key)
-        self._stats.incr("ram.hits" if data is not None else "ram.misses")
-        return data
-
     def get_disk(self, key: bytes) -> bytes | None:
         """Look a block up on NVMe; a hit is promoted into RAM."""
         if self.disk is None:

@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="send every open() to cachefs instead of using zero-message opens "
                           "(slower warm epochs; for debugging)")
     run.add_argument("--debug-fuse", action="store_true", help="libfuse's own request trace (very verbose)")
+    run.add_argument("--check", action="store_true",
+                     help="check the request (paths, sizes, FUSE) and say what would be mounted; "
+                          "mounts and writes nothing")
 
     s = sub.add_parser("stats", help="show what a mount's cache is doing",
                        description="Hits, misses and occupancy per tier, and source traffic, of a cachefs mount.")
@@ -438,7 +441,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         metrics_addr=args.metrics_addr,
         policy=args.policy, max_idle=args.max_idle, min_free=args.min_free,
     )
-    return mount(config)
+    return mount(config, check_only=args.check)
 
 
 def _progress_line(p: dict[str, Any]) -> str:

@@ -28,17 +28,19 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-try:
-    import mfusepy as fuse_binding
-except ImportError:  # pragma: no cover - only where just fusepy is installed
-    import fuse as fuse_binding  # type: ignore[no-redef]
-
+from cachefs import fuselib
 from cachefs.blocks import FileId
 from cachefs.config import FUSE_MAX_THREADS, MAX_READ, Config
 from cachefs.core import Core
 from cachefs.errors import to_errno
+from cachefs.fuselib import StderrTail
+
+if TYPE_CHECKING:
+    import mfusepy as fuse_binding
+else:
+    fuse_binding = fuselib.load()  # mfusepy on libfuse 3, never libfuse 2
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +137,7 @@ class CachefsOperations(fuse_binding.Operations):
         self.core = core
         self.config = config
         self.zero_message_open = config.zero_message_open
+        self._ready_hooks: list[Callable[[], None]] = []
         self._on_ready = on_ready
         self._info = info or {}
         self._owner = os.getuid()
@@ -147,6 +150,10 @@ class CachefsOperations(fuse_binding.Operations):
         self._changed: queue.Queue[str] = queue.Queue()
         core.on_source_changed = self._source_changed
         self._errors = ErrorLog()
+
+    def add_ready_hook(self, hook: Callable[[], None]) -> None:
+        """Run `hook` in FUSE init, once the mount is live, before the on_ready callback."""
+        self._ready_hooks.append(hook)
 
     def _log_error(self, op: str, path: str | None, exc: BaseException, code: int) -> None:
         if code == errno.ETIMEDOUT and self.core.source_down:
@@ -177,6 +184,8 @@ class CachefsOperations(fuse_binding.Operations):
         self._fuse_ptr = fuse_binding._libfuse.fuse_get_context().contents.fuse
         threading.Thread(target=self._invalidate_loop, name="cachefs-invalidate", daemon=True).start()
         self.was_mounted = True
+        for hook in self._ready_hooks:
+            hook()
         if self._on_ready is not None:
             self._on_ready()
 
@@ -321,13 +330,21 @@ def run_fuse(ops: CachefsOperations, mountpoint: str, config: Config) -> None:
     }
     if config.allow_other:
         options["allow_other"] = True
+    # libfuse reports why a mount failed (a bad option, fusermount3's refusal) only on
+    # stderr: keep its last lines for the error message until the mount is live.
+    tail = StderrTail().start()
+    ops.add_ready_hook(tail.stop)
     try:
         fuse_binding.FUSE(ops, mountpoint, raw_fi=True, foreground=True, nothreads=False,
                           debug=config.debug_fuse, **options)
     except RuntimeError as exc:
+        tail.stop()
         # fuse_main() returns 8 when its loop ended on SIGINT/SIGTERM/SIGHUP (libfuse >= 3.x
         # records the signal as the session's error) - after a clean unmount. Only a
         # failure to mount or a real loop error is an error.
         if exc.args != (8,) or not ops.was_mounted:
-            raise RuntimeError(f"libfuse failed (fuse_main returned {exc.args[0]}); see the log above") from None
+            reason = tail.last() or f"fuse_main returned {exc.args[0]} without a message"
+            raise RuntimeError(f"libfuse: {reason}") from None
         log.info("unmounted %s after a signal", mountpoint)
+    finally:
+        tail.stop()
