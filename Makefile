@@ -1,36 +1,41 @@
-# The README's commands. Everything installs into .venv; FUSE comes from the system (fuse3).
-VENV   ?= .venv
-PY     := $(VENV)/bin/python
-STAMP  := $(VENV)/.installed
+# The README's commands. Everything Python goes into .venv (VENV=... to use another
+# environment); FUSE and the test tools come from the system's packages.
+VENV      ?= .venv
+PY        := $(VENV)/bin/python
+STAMP     := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup dev demo test lint bench wheel clean
 
+# What the demo needs: libfuse 3 and fusermount3, a C compiler for the slow-store
+# emulator (tools/slowfs.c), cachefs itself and Pillow (the demo makes JPEGs).
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
-	@if ! command -v fusermount3 >/dev/null 2>&1 || [ ! -e /usr/include/fuse3/fuse.h ] || ! command -v cc >/dev/null 2>&1; then \
-	  if [ "$$(id -u)" = 0 ]; then \
-	    echo "installing fuse3, libfuse3-dev and a C compiler (for tools/slowfs)"; \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq fuse3 libfuse3-dev gcc >/dev/null; \
-	  else \
-	    echo "missing: run 'sudo apt-get install fuse3 libfuse3-dev gcc' (or your distribution's packages)"; \
-	    exit 1; \
-	  fi; \
-	fi
+	@tools/system-packages.sh fuse3 libfuse3-dev gcc
 	@test -e /dev/fuse || { echo "/dev/fuse is missing: modprobe fuse (in a container: --device /dev/fuse --cap-add SYS_ADMIN)"; exit 1; }
-	python3 -m venv $(VENV)
+	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0   # the CPU build (tests of the torch extra); pinned so pip never picks a GPU build
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e . 'pillow>=9.1'
 	$(PY) tools/slowfs.py --build-only
-	touch $(STAMP)
+	touch $@
+
+# What the tests need on top: linters and test libraries, PyTorch's CPU build (unless the
+# environment has a torch already), and the system tools the tests drive for real.
+dev: $(DEV_STAMP)
+
+$(DEV_STAMP): $(STAMP)
+	@tools/system-packages.sh util-linux e2fsprogs systemd
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) tools/install_torch.py
+	touch $@
 
 demo: setup
 	$(PY) tools/demo.py
 
-lint: setup
-	$(PY) -m ruff check cachefs tools tests
-	$(PY) -m mypy cachefs
+lint: dev
+	$(PY) -m ruff check src tools tests
+	$(PY) -m mypy src
 
 test: lint
 	$(PY) -m pytest -q
@@ -41,5 +46,9 @@ bench: setup
 	$(PY) tools/bench.py seq
 	$(PY) tools/bench.py cache
 
+# A wheel to install cachefs into another environment: pip install dist/cachefs-*.whl
+wheel: setup
+	$(PY) -m pip wheel -q --no-deps -w dist .
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build dist src/*.egg-info

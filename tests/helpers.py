@@ -110,7 +110,7 @@ def portable_python(base: Path) -> tuple[str, dict[str, str]]:
             shutil.copy2(origin, lib / origin.name)
     for path in [lib, *lib.rglob("*")]:
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": str(lib), "HOME": str(base)}
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "PYTHONPATH": str(lib), "HOME": str(base / "home")}
     return SYSTEM_PYTHON, env
 
 

@@ -268,6 +268,9 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         raise CachefsError("--allow-other needs 'user_allow_other' in /etc/fuse.conf (or root)")
     if not os.path.exists("/dev/fuse"):
         raise CachefsError("/dev/fuse is missing: load the fuse module (modprobe fuse) or run with --device /dev/fuse")
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        raise CachefsError("/dev/fuse is not open to this user (distributions make it mode 0666; in a container "
+                           "pass --device /dev/fuse), or mount as root")
     _fusermount()
     fuselib.check()
 
