@@ -29,146 +29,83 @@ against the budgets.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
-import threading
-
-import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cachefs.config import format_size, parse_size
+from tools.common import (
+    Sampler,
+    add_workspace_options,
+    drop_caches,
+    ensure_dataset,
+    median,
+    median_row,
+    workspace,
+    write_json,
+)
 from tools.epoch import list_imagefolder, read_sequentially, run_epochs
-from tools.mkdataset import build
 from tools.mounts import cachefs, cachefs_stats, slowfs
 from tools.slowfs import read_stats, reset_stats
 
-
-def drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
-
-
-class Sampler:
-    """Peak RSS of a process (5 samples a second) and peak size of a directory (1 a second,
-    or with every RSS sample when du_every=1)."""
-
-    def __init__(self, pid: int | None, directory: str | None, du_every: int = 5):
-        self.pid, self.directory = pid, directory
-        self.rss = 0
-        self.disk = 0
-        self.samples = 0
-        self.du_every = du_every
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        proc = psutil.Process(self.pid) if self.pid else None
-        tick = 0
-        while not self._stop.is_set():
-            try:
-                if proc is not None:
-                    self.rss = max(self.rss, proc.memory_info().rss)
-                if self.directory and tick % self.du_every == 0:  # walking the cache dir costs CPU
-                    self.disk = max(self.disk, du(self.directory))
-                self.samples += 1
-            except (psutil.Error, OSError):
-                pass
-            tick += 1
-            self._stop.wait(0.2)
-
-    def __enter__(self) -> Sampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
-def du(path: str) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
-            except OSError:
-                pass
-    return total
-
-
-def median_row(rows: list[dict]) -> dict:
-    out = dict(rows[0])
-    for key in ("seconds", "files_per_s", "mb_per_s", "p50_ms", "p99_ms"):
-        out[key] = statistics.median(r[key] for r in rows)
-    out["repeats"] = len(rows)
-    return out
+EPOCH_KEYS = ("seconds", "files_per_s", "mb_per_s", "p50_ms", "p99_ms")
 
 
 def cmd_epoch(args: argparse.Namespace) -> int:
-    work = args.workdir or tempfile.mkdtemp(prefix="cachefs-bench-")
+    with workspace(args, "bench") as work:
+        return _epoch(args, work)
+
+
+def _epoch(args: argparse.Namespace, work: str) -> int:
     data = os.path.join(work, "dataset")
-    if not os.path.isdir(data):
-        print(f"making {args.classes * args.per_class} JPEGs in {data}", file=sys.stderr)
-        build(data, args.classes, args.per_class, seed=0, mean_kb=110.0, progress=sys.stderr.isatty())
+    ensure_dataset(data, args.classes, args.per_class)
     rel = [os.path.relpath(p, data) for p in list_imagefolder(data)]
     seek = "8ms" if args.hdd else args.seek
     systems = [("direct", None)] + [(f"cachefs {ra} w{w}", (ra, w)) for ra in args.readahead.split(",")
                                     for w in map(int, str(args.prefetch_workers).split(","))] + [("local", None)]
     results: dict[str, dict[int, list[dict]]] = {name: {} for name, _ in systems}
     extra: dict[str, dict] = {}
-    try:
-        with slowfs(data, os.path.join(work, "slow"), latency=args.latency, bandwidth=args.bandwidth,
-                    seek=seek) as slow:
-            for rep in range(args.repeats):
-                for name, cfg in systems:
-                    print(f"repeat {rep + 1}/{args.repeats}: {name}", file=sys.stderr)
-                    if name == "local":
-                        drop_caches()
-                        rows = run_epochs(data, args.workers, args.epochs, seed=rep * 100,
-                                          paths=[os.path.join(data, r) for r in rel], quiet=True)
-                    elif name == "direct":
+    with slowfs(data, os.path.join(work, "slow"), latency=args.latency, bandwidth=args.bandwidth,
+                seek=seek) as slow:
+        for rep in range(args.repeats):
+            for name, cfg in systems:
+                print(f"repeat {rep + 1}/{args.repeats}: {name}", file=sys.stderr)
+                if name == "local":
+                    drop_caches()
+                    rows = run_epochs(data, args.workers, args.epochs, seed=rep * 100,
+                                      paths=[os.path.join(data, r) for r in rel], quiet=True)
+                elif name == "direct":
+                    reset_stats(slow)
+                    rows = run_epochs(slow, args.workers, args.epochs, seed=rep * 100,
+                                      paths=[os.path.join(slow, r) for r in rel], quiet=True)
+                else:
+                    assert cfg is not None
+                    ra, workers = cfg
+                    mp, cache = os.path.join(work, f"mnt{rep}"), os.path.join(work, f"cache{rep}")
+                    shutil.rmtree(cache, ignore_errors=True)
+                    with cachefs(slow, mp, cache, ram_size=args.ram_size, disk_size=args.disk_size,
+                                 extra=["--readahead", ra, "--prefetch-workers", str(workers)]):
+                        pid = cachefs_stats(mp)["info"]["pid"]
                         reset_stats(slow)
-                        rows = run_epochs(slow, args.workers, args.epochs, seed=rep * 100,
-                                          paths=[os.path.join(slow, r) for r in rel], quiet=True)
-                    else:
-                        assert cfg is not None
-                        ra, workers = cfg
-                        mp, cache = os.path.join(work, f"mnt{rep}"), os.path.join(work, f"cache{rep}")
-                        shutil.rmtree(cache, ignore_errors=True)
-                        with cachefs(slow, mp, cache, ram_size=args.ram_size, disk_size=args.disk_size,
-                                     extra=["--readahead", ra, "--prefetch-workers", str(workers)]):
-                            pid = cachefs_stats(mp)["info"]["pid"]
-                            reset_stats(slow)
-                            with Sampler(pid, cache) as sampler:
-                                rows = []
-                                for epoch in range(1, args.epochs + 1):
-                                    before = read_stats(slow)
-                                    r = run_epochs(mp, args.workers, 1, seed=rep * 100 + epoch - 1,
-                                                   paths=[os.path.join(mp, x) for x in rel], quiet=True)[0]
-                                    after = read_stats(slow)
-                                    r["epoch"] = epoch
-                                    r["source_bytes"] = after.get("bytes", 0) - before.get("bytes", 0)
-                                    rows.append(r)
-                            s = cachefs_stats(mp)
-                            extra[name] = {"peak_rss": sampler.rss, "peak_cache_dir": sampler.disk,
-                                           "prefetch": s.get("prefetch", {}), "ram_hits": s["ram"].get("hits", 0)}
-                    for r in rows:
-                        results[name].setdefault(r["epoch"], []).append(r)
-    finally:
-        if not args.workdir and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+                        with Sampler(pid, cache) as sampler:
+                            rows = []
+                            for epoch in range(1, args.epochs + 1):
+                                before = read_stats(slow)
+                                r = run_epochs(mp, args.workers, 1, seed=rep * 100 + epoch - 1,
+                                               paths=[os.path.join(mp, x) for x in rel], quiet=True)[0]
+                                after = read_stats(slow)
+                                r["epoch"] = epoch
+                                r["source_bytes"] = after.get("bytes", 0) - before.get("bytes", 0)
+                                rows.append(r)
+                        s = cachefs_stats(mp)
+                        extra[name] = {"peak_rss": sampler.rss, "peak_cache_dir": sampler.disk,
+                                       "prefetch": s.get("prefetch", {}), "ram_hits": s["ram"].get("hits", 0)}
+                for r in rows:
+                    results[name].setdefault(r["epoch"], []).append(r)
 
-    table = {name: {e: median_row(rows) for e, rows in epochs.items()} for name, epochs in results.items()}
+    table = {name: {e: median_row(rows, EPOCH_KEYS) for e, rows in epochs.items()} for name, epochs in results.items()}
     store = f"{args.latency}/request" + (f", {args.bandwidth}/s" if args.bandwidth != "0" else "") + \
         (f", HDD seek {seek}" if seek != "0" else "")
     print(f"\nImageFolder epochs: {len(rel)} JPEGs, {args.workers} workers, store {store}, "
@@ -184,9 +121,7 @@ def cmd_epoch(args: argparse.Namespace) -> int:
         p = x["prefetch"]
         print(f"{name}: peak RSS {format_size(x['peak_rss'])}, cache dir {format_size(x['peak_cache_dir'])}; "
               f"prefetched {p.get('blocks', 0)} blocks, used {p.get('used', 0)}, wasted {p.get('wasted', 0)}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "epochs": table, "daemon": extra}, f, indent=2, default=str)
+    write_json(args.json, {"args": vars(args), "epochs": table, "daemon": extra})
     return 0
 
 
@@ -195,8 +130,12 @@ def cat_read(path: str) -> float:
 
 
 def cmd_seq(args: argparse.Namespace) -> int:
+    with workspace(args, "bench-seq") as work:
+        return _seq(args, work)
+
+
+def _seq(args: argparse.Namespace, work: str) -> int:
     size = parse_size(args.size)
-    work = args.workdir or tempfile.mkdtemp(prefix="cachefs-bench-seq-")
     src = os.path.join(work, "src")
     os.makedirs(src, exist_ok=True)
     big = os.path.join(src, "big.bin")
@@ -204,48 +143,44 @@ def cmd_seq(args: argparse.Namespace) -> int:
         subprocess.run(["dd", "if=/dev/urandom", f"of={big}", "bs=1M", f"count={size >> 20}"],
                        check=True, capture_output=True)
     rows: dict[str, list[tuple[float, int]]] = {"direct": [], "cachefs": []}
-    try:
-        with slowfs(src, os.path.join(work, "slow"), latency=args.latency, bandwidth=args.bandwidth) as slow:
-            for rep in range(args.repeats):
+    with slowfs(src, os.path.join(work, "slow"), latency=args.latency, bandwidth=args.bandwidth) as slow:
+        for rep in range(args.repeats):
+            reset_stats(slow)
+            rows["direct"].append((cat_read(os.path.join(slow, "big.bin")), read_stats(slow).get("read", 0)))
+            mp, cache = os.path.join(work, f"mnt{rep}"), os.path.join(work, f"cache{rep}")
+            with cachefs(slow, mp, cache, ram_size=args.ram_size, disk_size=args.disk_size,
+                         extra=["--readahead", args.readahead_mode]):
                 reset_stats(slow)
-                rows["direct"].append((cat_read(os.path.join(slow, "big.bin")), read_stats(slow).get("read", 0)))
-                mp, cache = os.path.join(work, f"mnt{rep}"), os.path.join(work, f"cache{rep}")
-                with cachefs(slow, mp, cache, ram_size=args.ram_size, disk_size=args.disk_size,
-                             extra=["--readahead", args.readahead_mode]):
-                    reset_stats(slow)
-                    rows["cachefs"].append((cat_read(os.path.join(mp, "big.bin")), read_stats(slow).get("read", 0)))
-                shutil.rmtree(cache, ignore_errors=True)
-                print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
-    finally:
-        if not args.workdir and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+                rows["cachefs"].append((cat_read(os.path.join(mp, "big.bin")), read_stats(slow).get("read", 0)))
+            shutil.rmtree(cache, ignore_errors=True)
+            print(f"repeat {rep + 1}/{args.repeats} done", file=sys.stderr)
     cap = parse_size(args.bandwidth)
-    base = statistics.median(t for t, _ in rows["direct"])
+    base = median(t for t, _ in rows["direct"])
     print(f"\ncold sequential read of {args.size} in 128 KiB reads (like cat), store {args.latency}/request"
           f"{', ' + args.bandwidth + '/s cap' if cap else ''}, median of {args.repeats}")
     print(f"{'system':<10}{'MB/s':>8}{'of cap':>8}{'x direct':>10}{'source reads':>14}")
     summary = {}
     for name, r in rows.items():
-        t = statistics.median(x for x, _ in r)
-        reqs = statistics.median(n for _, n in r)
+        t = median(x for x, _ in r)
+        reqs = median(n for _, n in r)
         summary[name] = {"mb_s": size / t / 1e6, "of_cap": size / t / cap if cap else None,
                          "x_direct": base / t, "source_reads": reqs}
         of_cap = f"{size / t / cap:>7.0%}" if cap else f"{'-':>7}"
         print(f"{name:<10}{size / t / 1e6:>8.0f} {of_cap}{base / t:>10.2f}{reqs:>14.0f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "seq": summary}, f, indent=2)
+    write_json(args.json, {"args": vars(args), "seq": summary})
     return 0
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
     if not drop_caches():
         raise SystemExit("bench cache: needs root, to drop the page cache before each epoch")
-    work = args.workdir or tempfile.mkdtemp(prefix="cachefs-bench-cache-")
+    with workspace(args, "bench-cache") as work:
+        return _cache(args, work)
+
+
+def _cache(args: argparse.Namespace, work: str) -> int:
     data = os.path.join(work, "dataset")
-    if not os.path.isdir(data):
-        print(f"making {args.classes * args.per_class} JPEGs in {data}", file=sys.stderr)
-        build(data, args.classes, args.per_class, seed=0, mean_kb=110.0, progress=sys.stderr.isatty())
+    ensure_dataset(data, args.classes, args.per_class)
     rel = [os.path.relpath(p, data) for p in list_imagefolder(data)]
     total = sum(os.path.getsize(os.path.join(data, r)) for r in rel)
     disk_budget = int(args.disk_ratio * total)
@@ -255,33 +190,29 @@ def cmd_cache(args: argparse.Namespace) -> int:
     optimum = total - disk_budget
     optimum_both = max(0, total - disk_budget - ram_budget)
     report: dict[str, dict] = {}
-    try:
-        with slowfs(data, os.path.join(work, "slow"), latency=args.latency) as slow:
-            for policy in args.policies.split(","):
-                print(f"policy {policy}", file=sys.stderr)
-                mp, cache = os.path.join(work, "mnt"), os.path.join(work, f"cache-{policy}")
-                shutil.rmtree(cache, ignore_errors=True)
-                with cachefs(slow, mp, cache, ram_size=str(ram_budget), disk_size=str(disk_budget),
-                             extra=["--policy", policy, "--readahead", "off", "--min-free", "0"]):
-                    pid = cachefs_stats(mp)["info"]["pid"]
-                    epochs = []
-                    with Sampler(pid, os.path.join(cache, "blocks"), du_every=1) as sampler:
-                        for epoch in range(1, args.epochs + 1):
-                            drop_caches()
-                            before = read_stats(slow).get("bytes", 0)
-                            r = run_epochs(mp, args.workers, 1, seed=epoch,
-                                           paths=[os.path.join(mp, x) for x in rel], quiet=True)[0]
-                            r["source_bytes"] = read_stats(slow).get("bytes", 0) - before
-                            epochs.append(r)
-                    s = cachefs_stats(mp)
-                report[policy] = {"epochs": epochs, "peak_rss": sampler.rss, "peak_cache_dir": sampler.disk,
-                                  "samples": sampler.samples,
-                                  "ram": {k: s["ram"].get(k, 0) for k in ("hits", "evictions", "used_bytes")},
-                                  "disk": {k: s["disk"].get(k, 0) for k in
-                                           ("hits", "writes", "dropped_writes", "refused", "evictions", "used_bytes")}}
-    finally:
-        if not args.workdir and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+    with slowfs(data, os.path.join(work, "slow"), latency=args.latency) as slow:
+        for policy in args.policies.split(","):
+            print(f"policy {policy}", file=sys.stderr)
+            mp, cache = os.path.join(work, "mnt"), os.path.join(work, f"cache-{policy}")
+            shutil.rmtree(cache, ignore_errors=True)
+            with cachefs(slow, mp, cache, ram_size=str(ram_budget), disk_size=str(disk_budget),
+                         extra=["--policy", policy, "--readahead", "off", "--min-free", "0"]):
+                pid = cachefs_stats(mp)["info"]["pid"]
+                epochs = []
+                with Sampler(pid, os.path.join(cache, "blocks"), du_every=1) as sampler:
+                    for epoch in range(1, args.epochs + 1):
+                        drop_caches()
+                        before = read_stats(slow).get("bytes", 0)
+                        r = run_epochs(mp, args.workers, 1, seed=epoch,
+                                       paths=[os.path.join(mp, x) for x in rel], quiet=True)[0]
+                        r["source_bytes"] = read_stats(slow).get("bytes", 0) - before
+                        epochs.append(r)
+                s = cachefs_stats(mp)
+            report[policy] = {"epochs": epochs, "peak_rss": sampler.rss, "peak_cache_dir": sampler.disk,
+                              "samples": sampler.samples,
+                              "ram": {k: s["ram"].get(k, 0) for k in ("hits", "evictions", "used_bytes")},
+                              "disk": {k: s["disk"].get(k, 0) for k in
+                                       ("hits", "writes", "dropped_writes", "refused", "evictions", "used_bytes")}}
     print(f"\n{len(rel)} JPEGs, {format_size(total)}; NVMe tier {format_size(disk_budget)} "
           f"({args.disk_ratio:.0%} of the dataset), RAM tier {format_size(ram_budget)}; store "
           f"{args.latency}/request, {args.workers} workers, page cache dropped before each epoch")
@@ -305,10 +236,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
         print(f"{policy:<8}peak RSS {format_size(x['peak_rss'])} = RAM budget + "
               f"{format_size(x['peak_rss'] - ram_budget)}; peak cache dir {format_size(x['peak_cache_dir'])} "
               f"of {format_size(disk_budget)} ({'within' if x['peak_cache_dir'] <= disk_budget else 'OVER'})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "dataset_bytes": total, "disk_budget": disk_budget,
-                       "ram_budget": ram_budget, "optimum": optimum, "policies": report}, f, indent=2)
+    write_json(args.json, {"args": vars(args), "dataset_bytes": total, "disk_budget": disk_budget,
+                           "ram_budget": ram_budget, "optimum": optimum, "policies": report})
     return 0
 
 
@@ -319,12 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         s = sub.add_parser(name)
         s.add_argument("--latency", default="2ms")
         s.add_argument("--bandwidth", default="0" if name == "epoch" else "300MB")
-        s.add_argument("--repeats", type=int, default=3)
+        add_workspace_options(s, repeats=3)
         s.add_argument("--ram-size", default="1GiB")
         s.add_argument("--disk-size", default="4GiB")
-        s.add_argument("--workdir", help="keep the dataset here between runs")
-        s.add_argument("--keep", action="store_true")
-        s.add_argument("--json", metavar="FILE")
     e = sub.choices["epoch"]
     e.add_argument("--workers", type=int, default=8)
     e.add_argument("--epochs", type=int, default=3)
@@ -346,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--workers", type=int, default=8)
     c.add_argument("--classes", type=int, default=10)
     c.add_argument("--per-class", type=int, default=200)
-    c.add_argument("--workdir", help="keep the dataset here between runs")
-    c.add_argument("--keep", action="store_true")
-    c.add_argument("--json", metavar="FILE")
+    add_workspace_options(c)
     args = p.parse_args(argv)
     return {"epoch": cmd_epoch, "seq": cmd_seq, "cache": cmd_cache}[args.mode](args)
 

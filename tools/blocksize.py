@@ -13,16 +13,14 @@ This is how the default block size (cachefs.config.DEFAULT_BLOCK_SIZE) was chose
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
-import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cachefs.config import parse_size
+from tools.common import add_workspace_options, median, workspace, write_json
 from tools.epoch import read_sequentially
 from tools.mounts import cachefs, cachefs_stats, slowfs
 
@@ -52,16 +50,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size", default="256MiB")
     p.add_argument("--latency", default="2ms")
     p.add_argument("--bandwidth", default="200MB")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--block-sizes", default="1MiB,2MiB,4MiB,8MiB,16MiB")
-    p.add_argument("--json", metavar="FILE")
+    add_workspace_options(p, repeats=3)
     args = p.parse_args(argv)
+    with workspace(args, "blocksize") as work:
+        return run(args, work)
+
+
+def run(args: argparse.Namespace, work: str) -> int:
     size = parse_size(args.size)
-    work = tempfile.mkdtemp(prefix="cachefs-blocksize-")
     src = os.path.join(work, "src")
-    os.makedirs(src)
+    os.makedirs(src, exist_ok=True)
     for name in ("seq.bin", "rand.bin"):
-        with open(os.path.join(src, name), "wb") as f:
+        path = os.path.join(src, name)
+        if os.path.exists(path) and os.path.getsize(path) == size:
+            continue
+        with open(path, "wb") as f:
             for _ in range(size >> 20):
                 f.write(os.urandom(1 << 20))
     rows: dict[str, dict[str, list[float]]] = {}
@@ -81,22 +85,20 @@ def main(argv: list[str] | None = None) -> int:
                     fetched = cachefs_stats(mp)["source"].get("bytes", 0) - before
                     r["amp"].append(fetched / (RANDOM_READS * RANDOM_SIZE))
                 print(f"  repeat {rep + 1}/{args.repeats} {bs} done", file=sys.stderr)
-    base_seq = statistics.median(rows["direct"]["seq"])
-    base_rand = statistics.median(rows["direct"]["rand"])
+    base_seq = median(rows["direct"]["seq"])
+    base_rand = median(rows["direct"]["rand"])
     print(f"\ncold reads over slowfs ({args.latency}/request, {args.bandwidth}/s), "
           f"{args.size} files, median of {args.repeats}")
     print(f"{'':<8}{'seq MB/s':>10}{'x direct':>10}{'rand 128K/s':>13}{'x direct':>10}{'src/wanted':>12}")
     summary = {}
     for name, r in rows.items():
-        seq, rnd, amp = statistics.median(r["seq"]), statistics.median(r["rand"]), statistics.median(r["amp"])
+        seq, rnd, amp = median(r["seq"]), median(r["rand"]), median(r["amp"])
         summary[name] = {"seq_mb_s": size / seq / 1e6, "seq_x_direct": base_seq / seq,
                          "rand_reads_s": RANDOM_READS / rnd, "rand_x_direct": base_rand / rnd, "amplification": amp}
         s = summary[name]
         print(f"{name:<8}{s['seq_mb_s']:>10.0f}{s['seq_x_direct']:>10.2f}{s['rand_reads_s']:>13.0f}"
               f"{s['rand_x_direct']:>10.2f}{amp:>12.1f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=2)
+    write_json(args.json, summary)
     return 0
 
 

@@ -14,20 +14,16 @@ daemon loads it in the background), and whether every file then reads back byte 
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import os
-import shutil
 import signal
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from cachefs.tiers.disk import DiskTier
-from tools.mkdataset import build
+from tools.common import add_workspace_options, ensure_dataset, median, workspace, write_json
 from tools.mounts import cachefs_cli, cachefs_stats, is_mounted, unmount
 
 
@@ -73,19 +69,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--entries", type=int, default=100_000)
     ap.add_argument("--files", type=int, default=2000)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--json", metavar="FILE")
+    add_workspace_options(ap, repeats=3)
     args = ap.parse_args()
-    work = tempfile.mkdtemp(prefix="cachefs-crashbench-")
+    with workspace(args, "crashbench") as work:
+        return run(args, work)
+
+
+def run(args: argparse.Namespace, work: str) -> int:
     src, mp, cache = (os.path.join(work, d) for d in ("src", "mnt", "cache"))
     rows = []
     try:
-        build(src, 10, args.files // 10, seed=0, mean_kb=50, progress=False)
+        ensure_dataset(src, 10, args.files // 10, mean_kb=50)
         rel = sorted(os.path.relpath(os.path.join(d, f), src) for d, _, fs in os.walk(src) for f in fs)
         expected = {r: open(os.path.join(src, r), "rb").read() for r in rel}
         print(f"filling the NVMe tier with {args.entries} blocks...", file=sys.stderr)
         print(f"  {fill(cache, args.entries):.1f}s", file=sys.stderr)
-        os.makedirs(mp)
+        os.makedirs(mp, exist_ok=True)
         mount(src, mp, cache)
         index_loaded(mp, args.entries)
         for rep in range(args.repeats):
@@ -107,14 +106,11 @@ def main() -> int:
         if is_mounted(mp):
             unmount(mp)
         subprocess.run(["fusermount3", "-uz", mp], capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
     print(f"\nkill -9 mid-read with {args.entries} blocks on NVMe, median of {args.repeats}: "
-          f"cachefs mount returned in {statistics.median(r['remount_s'] for r in rows):.2f}s, "
-          f"index loaded {statistics.median(r['index_s'] for r in rows):.2f}s later, "
+          f"cachefs mount returned in {median(r['remount_s'] for r in rows):.2f}s, "
+          f"index loaded {median(r['index_s'] for r in rows):.2f}s later, "
           f"{sum(r['wrong_files'] for r in rows)} wrong files")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows}, f, indent=2)
+    write_json(args.json, {"args": vars(args), "rows": rows})
     return 0 if all(r["wrong_files"] == 0 for r in rows) else 1
 
 

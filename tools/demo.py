@@ -17,9 +17,17 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.common import ensure_dataset
 from tools.epoch import format_row, list_imagefolder, run_epochs
-from tools.mkdataset import build
 from tools.mounts import cachefs, cachefs_cli, slowfs
+
+
+def _tail(path: str, lines: int = 15) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,12 +43,13 @@ def main(argv: list[str] | None = None) -> int:
 
     work = args.workdir or tempfile.mkdtemp(prefix="cachefs-demo-")
     src, slow, mnt, cache = (os.path.join(work, d) for d in ("dataset", "slow", "mnt", "cache"))
+    slow_log, cache_log = os.path.join(work, "slowfs.log"), os.path.join(cache, "cachefs.log")
     try:
         if not os.path.isdir(src):
             print(f"1. making {args.classes * args.per_class} JPEGs in {src}")
-            build(src, args.classes, args.per_class, seed=0, mean_kb=110.0, progress=sys.stderr.isatty())
+        ensure_dataset(src, args.classes, args.per_class, quiet=True)
         print(f"2. serving it through slowfs at {slow} ({args.latency} per request, {args.bandwidth}/s)")
-        with slowfs(src, slow, latency=args.latency, bandwidth=args.bandwidth):
+        with slowfs(src, slow, latency=args.latency, bandwidth=args.bandwidth, log=slow_log):
             rel = [os.path.relpath(x, slow) for x in list_imagefolder(slow)]
             print(f"3. one epoch read straight from the slow store, {args.workers} workers")
             direct = run_epochs(slow, args.workers, epochs=1, paths=[os.path.join(slow, r) for r in rel])[0]
@@ -56,10 +65,14 @@ def main(argv: list[str] | None = None) -> int:
         print("unmounted; done.")
     except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
         print(f"demo: error: {exc}", file=sys.stderr)
+        for name, path in (("slowfs", slow_log), ("cachefs", cache_log)):
+            tail = _tail(path)
+            if tail.strip():
+                print(f"--- the last lines of the {name} log ({path}):\n{tail.rstrip()}", file=sys.stderr)
+        print(f"demo: kept the work dir for a look: {work}", file=sys.stderr)
         return 1
-    finally:
-        if not args.keep and not args.workdir:
-            shutil.rmtree(work, ignore_errors=True)
+    if not args.keep and not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

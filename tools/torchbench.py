@@ -33,10 +33,8 @@ import contextlib
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -48,8 +46,7 @@ from PIL import ImageFilter
 from cachefs.config import format_size
 from cachefs.pipeline import collate, make_transform
 from cachefs.torch import HintedSampler, ImageFolder
-from tools.bench import Sampler, drop_caches
-from tools.mkdataset import build
+from tools.common import Sampler, add_workspace_options, drop_caches, ensure_dataset, median, workspace, write_json
 from tools.mounts import ROOT, cachefs, cachefs_cli, cachefs_stats, slowfs
 
 
@@ -83,20 +80,11 @@ class Decode:
 
 
 @contextlib.contextmanager
-def workspace(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
-    """(work dir, dataset dir, dataset bytes); the dataset is made once per --workdir, and
-    a temporary work dir is removed at the end unless --keep."""
-    work = args.workdir or tempfile.mkdtemp(prefix="cachefs-torchbench-")
-    data = os.path.join(work, f"dataset-{args.classes}x{args.per_class}")
-    try:
-        if not os.path.isdir(data):
-            print(f"making {args.classes * args.per_class} JPEGs in {data}", file=sys.stderr)
-            build(data, args.classes, args.per_class, seed=0, mean_kb=110.0, progress=sys.stderr.isatty())
-        total = sum(e.stat().st_size for d in os.scandir(data) for e in os.scandir(d.path))
-        yield work, data, total
-    finally:
-        if not args.workdir and not args.keep:
-            shutil.rmtree(work, ignore_errors=True)
+def dataset(args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
+    """(work dir, dataset dir, dataset bytes); the dataset is made once per --workdir."""
+    with workspace(args, "torchbench") as work:
+        data = os.path.join(work, f"dataset-{args.classes}x{args.per_class}")
+        yield work, data, ensure_dataset(data, args.classes, args.per_class)
 
 
 def epoch(root: str, seed: int, workers: int, batch_size: int, transform: str, hinted: bool = False) -> dict:
@@ -145,7 +133,7 @@ def ram_rates(before: dict, after: dict) -> dict:
 
 
 def med(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
+    return median(r[key] for r in rows)
 
 
 # -- loader ----------------------------------------------------------------------------------
@@ -153,7 +141,7 @@ def med(rows: list[dict], key: str) -> float:
 def cmd_loader(args: argparse.Namespace) -> int:
     results: dict[str, dict[int, list[dict]]] = {"direct": {}, "cachefs": {}}
     rss = []
-    with workspace(args) as (work, data, total), slowfs(data, os.path.join(work, "slow"), latency=args.latency) as slow:
+    with dataset(args) as (work, data, total), slowfs(data, os.path.join(work, "slow"), latency=args.latency) as slow:
         for rep in range(args.repeats):
             print(f"repeat {rep + 1}/{args.repeats}: direct", file=sys.stderr)
             for e in range(1, args.epochs + 1):
@@ -180,9 +168,7 @@ def cmd_loader(args: argparse.Namespace) -> int:
         table[e] = {"direct": d, "cachefs": c, "ratio": c / d}
         print(f"{e:>6}{d:>14.0f}{c:>15.0f}{c / d:>10.2f}")
     print(f"cachefs daemon peak RSS {format_size(max(rss))} (RAM tier {args.ram_size})")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "epochs": table, "raw": results, "peak_rss": max(rss)}, f, indent=2)
+    write_json(args.json, {"args": vars(args), "epochs": table, "raw": results, "peak_rss": max(rss)})
     return 0
 
 
@@ -225,7 +211,7 @@ def cmd_hint(args: argparse.Namespace) -> int:
     if not drop_caches():
         raise SystemExit("torchbench hint: needs root, to drop the page cache before each epoch")
     report = {}
-    with workspace(args) as (work, data, total):
+    with dataset(args) as (work, data, total):
         for case in args.case.split(","):
             report[case] = hint_case(args, case, work, data, total)
     n = args.classes * args.per_class
@@ -251,10 +237,7 @@ def cmd_hint(args: argparse.Namespace) -> int:
         rss = ", ".join(f"{mode} {format_size(max(v))}" for mode, v in r["peak_rss"].items())
         print(f"{case}: RAM tier {format_size(r['ram_bytes'])}, NVMe tier {format_size(r['disk_bytes'])}, "
               f"store {r['latency']}/request; daemon peak RSS: {rss}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "dataset_bytes": total, "summary": summary, "raw": report},
-                      f, indent=2, default=str)
+    write_json(args.json, {"args": vars(args), "dataset_bytes": total, "summary": summary, "raw": report})
     return 0
 
 
@@ -265,7 +248,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
               ("local disk, heavy transform", "cpu-bound", "local", ["--transform", "tools.torchbench:heavy"]),
               ("local disk, GPU decoding (bytes only)", "fine", "local", ["--transform", "none"])]
     rows = []
-    with workspace(args) as (work, data, _), slowfs(data, os.path.join(work, "slow"), latency="5ms") as slow:
+    with dataset(args) as (work, data, _), slowfs(data, os.path.join(work, "slow"), latency="5ms") as slow:
         for name, expected, where, extra in setups:
             path = slow if where == "slow" else data
             drop_caches()
@@ -288,9 +271,7 @@ def cmd_diagnose(args: argparse.Namespace) -> int:
               f"{r['read_share']:>9.0%}{r['cpu_busy']:>6.0%}{r['raw_files_per_s']:>13.0f}")
     right = sum(r["verdict"] == r["expected"] for r in rows)
     print(f"{right} of {len(rows)} verdicts as expected")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "setups": rows}, f, indent=2)
+    write_json(args.json, {"args": vars(args), "setups": rows})
     return 0 if right == len(rows) else 1
 
 
@@ -301,15 +282,12 @@ def main(argv: list[str] | None = None) -> int:
         s = sub.add_parser(name)
         s.add_argument("--classes", type=int, default=10)
         s.add_argument("--per-class", type=int, default=200)
-        s.add_argument("--workdir", help="keep the dataset here between runs")
-        s.add_argument("--keep", action="store_true")
-        s.add_argument("--json", metavar="FILE")
+        add_workspace_options(s, repeats=None if name == "diagnose" else 3)
         if name != "diagnose":
             s.add_argument("--latency", default="2ms")
             s.add_argument("--workers", type=int, default=4)
             s.add_argument("--batch-size", type=int, default=32)
             s.add_argument("--epochs", type=int, default=3)
-            s.add_argument("--repeats", type=int, default=3)
     lo = sub.choices["loader"]
     lo.add_argument("--transform", default="standard")
     lo.add_argument("--ram-size", default="1GiB")

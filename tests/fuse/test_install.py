@@ -395,3 +395,13 @@ def test_python_m_cachefs_works_beside_a_clone_named_cachefs(tmp_path):
     import cachefs
 
     assert proc.stdout.strip() == f"cachefs {cachefs.__version__}"
+
+
+def test_a_failing_demo_keeps_its_work_dir_and_shows_the_log(tmp_path):
+    work = tmp_path / "work"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "demo.py"), "--workdir", str(work),
+                           "--classes", "1", "--per-class", "2", "--latency", "soon"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert "the last lines of the slowfs log" in proc.stderr and "invalid --latency 'soon'" in proc.stderr
+    assert f"kept the work dir for a look: {work}" in proc.stderr and (work / "dataset").is_dir()
