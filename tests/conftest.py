@@ -14,7 +14,7 @@ def source():
     return MemorySource()
 
 
-# The fault table of issue 7: each fault test reports what it injected, what the reader
+# The fault table: each fault test reports what it injected, what the reader
 # saw, what the stats counted and what data was lost, from its own run; the table is
 # printed at the end of the session. Identical rows (one per case of a parametrized
 # test) are printed once, with their count.
@@ -32,7 +32,7 @@ def fault_report():
 def pytest_terminal_summary(terminalreporter):
     if not FAULT_TABLE:
         return
-    terminalreporter.section("faults injected (issue 7)")
+    terminalreporter.section("faults injected")
     terminalreporter.write_line("| fault injected | what the reader saw | what the stats counted | data lost |")
     terminalreporter.write_line("|---|---|---|---|")
     for (fault, *rest), count in FAULT_TABLE.items():

@@ -9,7 +9,7 @@ import pytest
 from cachefs.cli import main
 from cachefs.diagnose import DEFAULT_TARGET, judge
 
-pytest.importorskip("torch", reason="the torch extra: pip install 'cachefs[torch]'")
+pytest.importorskip("torch", reason="the torch extra (torch and Pillow) is not installed")
 
 
 def figures(rate, read_ms, cpu_ms, busy, workers=2):
@@ -134,4 +134,4 @@ def test_without_torch_diagnose_says_how_to_get_it(tmp_path, capsys, monkeypatch
     monkeypatch.setattr(builtins, "__import__", no_torch)
     assert main(["diagnose", str(tmp_path)]) == 2
     err = capsys.readouterr()[1]
-    assert "needs PyTorch and Pillow (torch is missing): pip install 'cachefs[torch]'" in err
+    assert "needs PyTorch and Pillow (torch is missing): pip install torch pillow (into the environment" in err

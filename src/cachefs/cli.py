@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = m.add_argument_group("running")
     run.add_argument("--metrics-addr", type=_checked(_parse_metrics_addr, "--metrics-addr"), metavar="[HOST:]PORT",
                      help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to "
-                          "127.0.0.1, loopback only; needs the metrics extra: pip install 'cachefs[metrics]')")
+                          "127.0.0.1, loopback only; needs prometheus-client in cachefs's environment: "
+                          "pip install prometheus-client)")
     run.add_argument("-f", "--foreground", action="store_true",
                      help="stay in the foreground (log to stderr); Ctrl-C or SIGTERM unmounts")
     run.add_argument("--allow-other", action="store_true",
@@ -177,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("mountpoint", nargs="?", metavar="PATH",
                    help="a cachefs mount point, or with --coverage any directory or file on one "
                         "(default: list all cachefs mounts)")
-    s.add_argument("--json", action="store_true", help="print the raw snapshot as JSON (schema in README)")
+    s.add_argument("--json", action="store_true", help="print the raw snapshot as JSON (every key: docs/stats.md)")
     s.add_argument("--watch", nargs="?", const=1.0, type=_duration("--watch"), metavar="SECONDS",
                    help="a live view: per-second rates (reads, MB/s from each tier and from the source, "
                         "hit rate and source p99 over the last interval), refreshed every SECONDS "

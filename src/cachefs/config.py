@@ -13,7 +13,7 @@ MiB = 1024 * KiB
 GiB = 1024 * MiB
 
 # Cache block size (bytes). A file up to this size is one block; larger files are split.
-# 1 MiB, measured with tools/blocksize.py (README, "Choosing the block size"): cold random
+# 1 MiB, measured with tools/blocksize.py (docs/benchmarks.md, "Choosing the block size"): cold random
 # 128 KiB reads of a big file ran 2.1x faster than with 4 MiB blocks and pulled 3x fewer
 # bytes from the store (8.6x vs 26.9x what was asked); larger blocks only helped a
 # sequential read without read-ahead (1.26x at 4 MiB), which read-ahead serves better.
@@ -31,7 +31,7 @@ DEFAULT_READAHEAD_MAX = 32 * MiB
 
 # Source fetchers in the prefetch pool (read-ahead and warming; demand misses run in the
 # reader's own FUSE thread): 16 for a network store, 8 when the source is a local
-# spinning disk. Measured in README, "Benchmarks".
+# spinning disk. Measured in docs/benchmarks.md.
 DEFAULT_PREFETCH_WORKERS = 16
 ROTATIONAL_PREFETCH_WORKERS = 8
 
@@ -77,7 +77,7 @@ MAX_READ = 1 * MiB
 FUSE_MAX_THREADS = 32
 
 # Cache policy of both tiers: "keep" (admit until full, then keep what you have, with
-# ageing; wins on every epoch pattern tools/simulate.py replays) or "lru". README, "Cache policy".
+# ageing; wins on every epoch pattern tools/simulate.py replays) or "lru". docs/design.md, "Cache policy".
 DEFAULT_POLICY = "keep"
 
 # A block unread this long (seconds) is evicted before any other, whatever the policy, so

@@ -431,4 +431,4 @@ def check_torch() -> None:
         import torch  # noqa: F401
     except ImportError as exc:
         raise CachefsError(f"cachefs diagnose needs PyTorch and Pillow ({exc.name} is missing): "
-                           "pip install 'cachefs[torch]'") from None
+                           "pip install torch pillow (into the environment that runs cachefs)") from None

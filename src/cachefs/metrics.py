@@ -12,7 +12,7 @@ the tests see the same figures. Names follow Prometheus conventions:
 - latency histograms: `cachefs_source_request_duration_seconds{op=...}`;
 - `cachefs_info{version, source, mountpoint, ...}` = 1.
 
-prometheus-client is an optional dependency (`pip install 'cachefs[metrics]'`); nothing
+prometheus-client is an optional dependency (the `metrics` extra; `pip install prometheus-client`); nothing
 imports this module unless the option is given.
 """
 
@@ -120,7 +120,8 @@ def start_metrics_server(stats: Stats, addr: str) -> Any:
     try:
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError:
-        raise RuntimeError("--metrics-addr needs prometheus-client: pip install 'cachefs[metrics]'") from None
+        raise RuntimeError("--metrics-addr needs prometheus-client in cachefs's environment: "
+                           "pip install prometheus-client") from None
     host, port = parse_metrics_addr(addr)
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StatsCollector(stats))  # type: ignore[arg-type]

@@ -153,7 +153,7 @@ def _nearest_existing(path: str) -> str:
 
 
 def resolve_sizes(config: Config) -> None:
-    """Fill in default tier sizes from this machine (documented in README, "Options")."""
+    """Fill in default tier sizes from this machine (documented in the README, "Options")."""
     if config.ram_size is None:
         total = psutil.virtual_memory().total
         config.ram_size = int(min(DEFAULT_RAM_MAX, total * DEFAULT_RAM_FRACTION))

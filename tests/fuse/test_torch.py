@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-torch = pytest.importorskip("torch", reason="the torch extra: pip install 'cachefs[torch]'")
+torch = pytest.importorskip("torch", reason="the torch extra (torch and Pillow) is not installed")
 
 from cachefs.torch import ImageFolder  # noqa: E402
 

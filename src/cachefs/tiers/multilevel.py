@@ -1,6 +1,6 @@
 """RAM in front of NVMe: a read is served RAM -> NVMe -> (caller fetches from the source).
 
-The rule between the tiers (README, "Cache policy"):
+The rule between the tiers (docs/design.md, "Cache policy"):
   - a block fetched from the source is offered to both tiers (NVMe asynchronously), and
     each tier's own policy decides whether to keep it: the tiers are inclusive;
   - an NVMe hit is promoted into RAM when the RAM policy admits it (with `keep`: while RAM
