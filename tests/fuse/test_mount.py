@@ -332,6 +332,62 @@ def test_persistence_across_remount_reads_nothing_from_the_source(tmp_path, moun
     assert slowfs_stats(str(slow)).get("read", 0) == 0
 
 
+def test_an_epoch_served_by_the_cache_shows_a_100_percent_hit_rate(tmp_path, mounts):
+    """8 processes read the same files at once from the NVMe tier (RAM too small to hold
+    them): readers of one block wait for each other's lookup, and those waits are hits."""
+    import multiprocessing
+
+    from cachefs.stats import block_hit_rate
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(40):
+        (src / f"f{i:02d}").write_bytes(os.urandom(150_000))
+    cache = tmp_path / "cache"
+    mp = mounts.cachefs(str(src), cache_dir=cache, extra=["--readahead", "off", "--ram-size", "1MiB"])
+    paths = [str(mp / f"f{i:02d}") for i in range(40)]
+    for p in paths:
+        Path(p).read_bytes()
+    mounts.unmount(mp)  # every block is on NVMe now
+    mp = mounts.cachefs(str(src), cache_dir=cache, extra=["--readahead", "off", "--ram-size", "1MiB"])
+    paths = [str(mp / f"f{i:02d}") for i in range(40)]
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(8)
+    readers = [ctx.Process(target=_read_in_step, args=(paths, barrier)) for _ in range(8)]
+    for r in readers:
+        r.start()
+    for r in readers:
+        r.join(60)
+        assert r.exitcode == 0
+    s = stats(mp)
+    assert s["source"]["read_range"] == 0
+    assert s["ram"]["hits"] + s["ram"]["misses"] >= 40
+    assert block_hit_rate(s["ram"]["hits"], s["ram"]["misses"], s["disk"]["hits"]) == 1.0, s["reads"]
+
+
+def _read_in_step(paths, barrier):
+    """Every reader opens the same file at the same moment: they share the daemon's fetches."""
+    for p in paths:
+        barrier.wait(30)
+        with open(p, "rb") as f:
+            f.read()
+
+
+def test_a_relative_cache_dir_is_the_callers_and_is_created(tmp_path, mounts):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "f").write_text("x")
+    (tmp_path / "mnt").mkdir()
+    proc = subprocess.run([sys.executable, "-m", "cachefs", "mount", "src", "mnt", "--cache-dir", "rel/new/cache",
+                           "--ram-size", "64MiB", "--disk-size", "64MiB"], cwd=tmp_path, capture_output=True,
+                          text=True)
+    mounts.points.append(tmp_path / "mnt")
+    assert proc.returncode == 0, proc.stderr
+    assert stats(tmp_path / "mnt")["info"]["cache_dir"] == str(tmp_path / "rel" / "new" / "cache")
+    assert (tmp_path / "rel" / "new" / "cache" / "blocks").is_dir()
+    assert (tmp_path / "mnt" / "f").read_text() == "x"
+
+
 def test_kill_9_leaves_a_stale_mount_that_the_next_mount_clears(tmp_path, mounts):
     src = tmp_path / "src"
     src.mkdir()
