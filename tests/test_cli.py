@@ -139,3 +139,21 @@ def test_watch_and_coverage_need_a_path(capsys):
     assert "--coverage needs a PATH" in capsys.readouterr().err
     assert main(["stats", "/", "--watch", "0"]) == 2
     assert "cachefs: error:" in capsys.readouterr().err
+
+
+def test_a_daemon_that_died_silently_is_reported_with_its_last_logged_error(tmp_path):
+    from cachefs.mount import _last_error_line
+
+    log = tmp_path / "cachefs.log"
+    log.write_text("2026-01-01 00:00:00,000 ERROR cachefs.mount: daemon failed: an older mount's failure\n")
+    start = log.stat().st_size
+    with open(log, "a") as f:
+        f.write("2026-01-01 00:00:01,000 WARNING cachefs.core: something odd\n"
+                "2026-01-01 00:00:02,000 ERROR cachefs.mount: daemon failed: cannot allocate the RAM tier\n"
+                "2026-01-01 00:00:02,001 INFO cachefs.mount: bye\n")
+    assert _last_error_line(str(log), start) == "daemon failed: cannot allocate the RAM tier"
+    with open(log, "a") as f:
+        f.write("Traceback (most recent call last):\n  File \"x\", line 1\nMemoryError: out of memory\n")
+    assert _last_error_line(str(log), start) == "MemoryError: out of memory"
+    assert _last_error_line(str(tmp_path / "missing.log"), 0) == ""
+    assert _last_error_line(str(log), log.stat().st_size) == ""  # nothing new: no stale reason

@@ -540,6 +540,11 @@ def mount(config: Config, out: Callable[[str], None] = print, check_only: bool =
             return 1
         return 0
 
+    assert config.log_file is not None
+    try:
+        log_start = os.path.getsize(config.log_file)  # what this mount adds to the log starts here
+    except OSError:
+        log_start = 0
     rfd, wfd = os.pipe()
     pid = os.fork()
     if pid == 0:  # the daemon
@@ -596,12 +601,35 @@ def mount(config: Config, out: Callable[[str], None] = print, check_only: bool =
     elif not text:
         text = "the daemon did not report ready in time" if time.monotonic() >= deadline else "the daemon exited"
     if not text.startswith("ERR"):
+        last = _last_error_line(config.log_file, log_start)
+        if last:
+            text += f": {last}"
+    if not text.startswith("ERR"):
         try:
             os.kill(pid, signal.SIGTERM)
         except ProcessLookupError:
             pass
     print(f"cachefs: error: mount failed: {text.removeprefix('ERR ')} (log: {config.log_file})", file=sys.stderr)
     return 1
+
+
+def _last_error_line(log_file: str | None, start: int) -> str:
+    """The last line the daemon logged at ERROR or above (or a traceback's last line) since
+    `start`: the reason, when the daemon died without telling the parent."""
+    if not log_file:
+        return ""
+    try:
+        with open(log_file, "rb") as f:
+            f.seek(start)
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in reversed(lines):
+        if " ERROR " in line or " CRITICAL " in line:
+            return line.split(": ", 1)[-1].strip()
+        if line and not line.startswith((" ", "\t", "Traceback")) and "Error" in line.split(":")[0]:
+            return line.strip()  # an uncaught exception's last line, e.g. "MemoryError: ..."
+    return ""
 
 
 def sd_notify(message: str) -> bool:
