@@ -4,6 +4,7 @@ as a systemd unit, as an unprivileged user, and from a directory that holds a cl
 from __future__ import annotations
 
 import configparser
+import contextlib
 import ctypes
 import ctypes.util
 import hashlib
@@ -90,22 +91,27 @@ def test_a_libfuse2_binding_is_one_clear_error(tree, tmp_path):
 
 # -- mount(8), /etc/fstab ----------------------------------------------------------------------
 
+@contextlib.contextmanager
+def _linked(ours: str, target: str):
+    """`target` linking to this checkout's `ours`, as an admin installs it; removed after if
+    the test made it. Skips when another installation already owns `target`."""
+    if os.path.lexists(target):
+        if os.path.realpath(target) != os.path.realpath(ours):
+            pytest.skip(f"another {target} is installed ({os.path.realpath(target)})")
+        yield target
+        return
+    os.symlink(ours, target)
+    try:
+        yield target
+    finally:
+        os.unlink(target)
+
+
 @pytest.fixture
 def mount_helper():
-    """/sbin/mount.cachefs pointing at this checkout's helper, as an admin installs it."""
-    helper = shutil.which("mount.cachefs", path=os.path.dirname(sys.executable))
-    assert helper, "mount.cachefs is not installed next to this python"
-    link = "/sbin/mount.cachefs"
-    if os.path.lexists(link):
-        if os.path.realpath(link) != os.path.realpath(helper):
-            pytest.skip(f"another {link} is installed ({os.path.realpath(link)})")
+    """/sbin/mount.cachefs, where mount(8) looks for it."""
+    with _linked(os.path.join(os.path.dirname(sys.executable), "mount.cachefs"), "/sbin/mount.cachefs") as link:
         yield link
-        return
-    os.symlink(helper, link)
-    try:
-        yield link
-    finally:
-        os.unlink(link)
 
 
 def _umount(mp):
@@ -159,18 +165,8 @@ def test_an_fstab_line_mounts_with_mount_a(tree, tmp_path, mount_helper):
 @pytest.fixture
 def cachefs_in_usr_local():
     """/usr/local/bin/cachefs, where the unit expects it."""
-    target = "/usr/local/bin/cachefs"
-    ours = os.path.join(os.path.dirname(sys.executable), "cachefs")
-    if os.path.lexists(target):
-        if os.path.realpath(target) != os.path.realpath(ours):
-            pytest.skip(f"another {target} is installed")
-        yield target
-        return
-    os.symlink(ours, target)
-    try:
-        yield target
-    finally:
-        os.unlink(target)
+    with _linked(os.path.join(os.path.dirname(sys.executable), "cachefs"), "/usr/local/bin/cachefs") as link:
+        yield link
 
 
 @root_only
