@@ -398,3 +398,32 @@ def test_a_vanished_cache_dir_is_a_pass_through_for_the_reader(tmp_path, caplog)
     assert tier.suspended and not (tmp_path / "blocks").exists()  # nothing written to a ghost
     assert caplog.text.count("NVMe tier off") == 1 and "was removed" in caplog.text
     core.close()
+
+
+def test_a_removed_cache_dir_is_named_as_such_when_reads_fail_first(tmp_path, caplog):
+    """Reads of a removed cache dir may fail ("unable to open database file") before any
+    lookup finds a row without its file: the tier must still say the dir was removed and
+    stay off until the next mount, not take it for a disk error and retry in 60 s (the
+    mounted test flaked on exactly this under load)."""
+    import logging
+    import shutil
+    import sqlite3
+
+    caplog.set_level(logging.WARNING)
+    tier = DiskTier(str(tmp_path / "blocks"), 10 << 20)
+    tier.put_now(b"k", b"v" * 100)
+    shutil.rmtree(tmp_path / "blocks")
+
+    class Gone:
+        def get(self, *a, **k):
+            raise sqlite3.OperationalError("unable to open database file")
+
+    tier._cache, real = Gone(), tier._cache
+    try:
+        for _ in range(12):
+            assert tier.get(b"k") is None
+    finally:
+        tier._cache = real
+    assert tier.suspended and tier._suspended_until == float("inf")
+    assert "was removed" in caplog.text and "NVMe tier off for" not in caplog.text
+    tier.close()

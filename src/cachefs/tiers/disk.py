@@ -360,7 +360,9 @@ class DiskTier:
         self._stats.incr("disk.errors")
         self._failures += 1
         log.debug("cache disk %s failed: %s", what, exc)
-        if self._failures >= SUSPEND_AFTER and not self.suspended:
+        if self._failures >= SUSPEND_AFTER and not self.suspended and self._check_dir():
+            # (a removed cache dir is its own case, off until the next mount: _check_dir
+            # says so once; failing reads, "unable to open database file", may see it first)
             self._suspended_until = time.monotonic() + SUSPEND_FOR
             self._stats.incr("disk.suspensions")
             log.warning("NVMe tier off for %.0fs after %d failed cache-disk operations (last: %s %s): "
