@@ -88,7 +88,6 @@ def portable_python(base: Path) -> tuple[str, dict[str, str]]:
     such interpreter.
     """
     import diskcache
-    import mfusepy
     import psutil
     import xxhash
 
@@ -102,7 +101,7 @@ def portable_python(base: Path) -> tuple[str, dict[str, str]]:
         raise RuntimeError(f"{SYSTEM_PYTHON} is Python {version}, the venv's is {tuple(sys.version_info[:2])}")
     lib = base / "pylib"
     lib.mkdir(mode=0o755)
-    for module in (cachefs, diskcache, psutil, xxhash, mfusepy):
+    for module in (cachefs, diskcache, psutil, xxhash):
         origin = Path(module.__file__)
         if origin.name == "__init__.py":
             shutil.copytree(origin.parent, lib / origin.parent.name, ignore=shutil.ignore_patterns("__pycache__"))

@@ -115,7 +115,7 @@ def test_the_daemon_and_the_cli_never_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys, cachefs.cli, cachefs.mount, cachefs.core, cachefs.fuse_ops, cachefs.hints, "
+    code = ("import sys, cachefs.cli, cachefs.mount, cachefs.core, cachefs.fs, cachefs.fuse, cachefs.hints, "
             "cachefs.diagnose; print(sorted(m for m in ('torch', 'PIL', 'torchvision') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -7,14 +7,29 @@ import logging
 import pytest
 
 from cachefs.config import Config
-from cachefs.fuse_ops import CachefsOperations, FuseOSError
+from cachefs.fs import CachefsFS
+from cachefs.fuse import FuseError
+from cachefs.fuse.session import Request
 from cachefs.memsource import MemorySource
 from tests.helpers import make_core
+
+REQ = Request(1, 1, 0, 0, 0)
+
+
+class Ops:
+    """The file system, called as the kernel would: a lookup, then reads of the node."""
+
+    def __init__(self, fs: CachefsFS):
+        self.fs, self.core = fs, fs.core
+
+    def read(self, path, size, offset, fh):
+        nodeid = self.fs.lookup(REQ, 1, path.lstrip("/").encode()).nodeid
+        return self.fs.read(REQ, nodeid, 0, offset, size)
 
 
 def ops_over(source):
     config = Config(source="/src", mountpoint="/mnt", cache_dir="/tmp/unused")
-    return CachefsOperations(make_core(source), config)
+    return Ops(CachefsFS(make_core(source), config))
 
 
 def failing_read(caplog, level):
@@ -23,7 +38,7 @@ def failing_read(caplog, level):
     src.faults[("read_range", "/bad.jpg")] = errno.EIO
     ops = ops_over(src)
     caplog.clear()
-    with caplog.at_level(level, logger="cachefs"), pytest.raises(FuseOSError) as exc:
+    with caplog.at_level(level, logger="cachefs"), pytest.raises(FuseError) as exc:
         ops.read("/bad.jpg", 100, 0, None)
     assert exc.value.errno == errno.EIO
     records = [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -52,9 +67,9 @@ def test_a_file_that_keeps_failing_is_logged_once_and_counted_each_time(caplog):
     ops = ops_over(src)
     with caplog.at_level(logging.INFO, logger="cachefs"):
         for _ in range(5):                                   # five epochs retry the same file
-            with pytest.raises(FuseOSError):
+            with pytest.raises(FuseError):
                 ops.read("/bad.jpg", 100, 0, None)
-        with pytest.raises(FuseOSError):
+        with pytest.raises(FuseError):
             ops.read("/worse.jpg", 100, 0, None)
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 2 and "/bad.jpg" in warnings[0] and "/worse.jpg" in warnings[1]
@@ -62,7 +77,7 @@ def test_a_file_that_keeps_failing_is_logged_once_and_counted_each_time(caplog):
 
 
 def test_the_error_log_warns_once_an_hour_per_path_and_caps_each_kind(clock):
-    from cachefs.fuse_ops import ErrorLog
+    from cachefs.fs import ErrorLog
 
     elog = ErrorLog(max_paths=50, per_kind=10, window=3600, clock=clock)
     W, D = logging.WARNING, logging.DEBUG

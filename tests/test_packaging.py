@@ -36,7 +36,7 @@ def _spec(requirements: list[str], name: str) -> str:
 
 def test_dependencies_cachefs_reaches_into_are_bounded():
     deps = PYPROJECT["project"]["dependencies"]
-    for name in ("mfusepy", "diskcache"):  # private attributes: a minor release may move them
+    for name in ("diskcache",):  # private attributes: a minor release may move them
         spec = _spec(deps, name)
         assert ">=" in spec and "<" in spec.replace("<=", ""), spec
         version = importlib.metadata.version(name)

@@ -1,6 +1,6 @@
 """The core: metadata cache and block reads over a Source and a MultiLevelCache.
 
-It never imports the FUSE binding; fuse_ops.py translates kernel requests into calls
+It never imports the FUSE layer; cachefs/fs.py translates kernel requests into calls
 here, and the unit tests call it directly with a MemorySource.
 
 Data path of `read(path, offset, size)`:
@@ -12,6 +12,7 @@ Data path of `read(path, offset, size)`:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import hashlib
@@ -23,6 +24,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
 from cachefs.blocks import FileId, block_extent, block_key, block_range
@@ -174,7 +176,7 @@ class Core:
         self._attrs = _TTLCache(metadata_entries, clock)
         self._dirs = _TTLCache(max(1, metadata_entries // 10), clock)
         # Called with a path whose cached identity turned out wrong. The default forgets the
-        # metadata at once; under a mount, fuse_ops holds the file in begin_change() until
+        # metadata at once; under a mount, cachefs.fs holds the file in begin_change() until
         # the kernel has dropped its attributes and pages, so no read mixes two versions.
         self.on_source_changed: Callable[[str], None] = self.invalidate
         self._changing: dict[str, bool] = {}  # path -> kernel already told to drop it
@@ -182,6 +184,9 @@ class Core:
         self._reading_cond = threading.Condition()
         self._inflight: dict[bytes, Future] = {}
         self._inflight_lock = threading.Lock()
+        # Around anything that may wait on the source: the FUSE session sets it so that
+        # another thread takes requests meanwhile (cachefs.fuse.session.Session.blocking).
+        self.blocking: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
         stats.gauge("metadata.entries", lambda: len(self._attrs) + len(self._dirs))
 
     # -- metadata ----------------------------------------------------------------------
@@ -260,7 +265,7 @@ class Core:
         self.invalidate(path)
 
     def kernel_invalidated(self, path: str) -> None:
-        """The kernel has dropped the file's attributes and pages (see fuse_ops)."""
+        """The kernel has dropped the file's attributes and pages (see cachefs.fs)."""
         if path in self._changing:
             self._changing[path] = True
 
@@ -364,7 +369,8 @@ class Core:
         """Another thread's fetch of the block we need: at most --source-timeout (it may be a
         prefetch thread stuck on a source that stopped answering)."""
         try:
-            return pending.result(self.source_timeout or None)
+            with self.blocking():
+                return pending.result(self.source_timeout or None)
         except FutureTimeout:
             self.stats.incr("source.timeouts")
             raise OSError(errno.ETIMEDOUT, f"source did not answer within {self.source_timeout:g}s "
@@ -597,16 +603,17 @@ class Core:
         request that hangs holds that thread, not the reader's. The prefetch pool's own
         threads call it directly: nobody waits on them but a reader of the same block, and
         that wait is bounded too (see _wait). The hand-off costs a cold epoch about 10%."""
-        if self._source_pool is None or threading.current_thread().name.startswith(PREFETCH_THREAD):
-            return fn(*args)
-        future = self._source_pool.submit(fn, *args)
-        try:
-            return future.result(self.source_timeout)
-        except FutureTimeout:
-            future.cancel()  # still queued (every source thread hung): never run it
-            self.stats.incr("source.timeouts")
-            raise OSError(errno.ETIMEDOUT, f"source did not answer {op} within {self.source_timeout:g}s",
-                          _subject(args)) from None
+        with self.blocking():
+            if self._source_pool is None or threading.current_thread().name.startswith(PREFETCH_THREAD):
+                return fn(*args)
+            future = self._source_pool.submit(fn, *args)
+            try:
+                return future.result(self.source_timeout)
+            except FutureTimeout:
+                future.cancel()  # still queued (every source thread hung): never run it
+                self.stats.incr("source.timeouts")
+                raise OSError(errno.ETIMEDOUT, f"source did not answer {op} within {self.source_timeout:g}s",
+                              _subject(args)) from None
 
     def _probe_due(self) -> bool:
         """While the source is down, one request per SOURCE_RETRY seconds goes through."""

@@ -11,6 +11,7 @@ import posixpath
 import stat as stat_mod
 import threading
 import time
+import zlib
 from collections import Counter
 from collections.abc import Callable
 
@@ -46,7 +47,8 @@ class MemorySource:
         if path != "/" and parent not in self._nodes:
             self.add_dir(parent)
         t = self._tick() if mtime_ns is None else mtime_ns
-        self._nodes[path] = (Attr(mode, 1, 0, 0, size, t, t, t, (size + 511) // 512), payload)
+        ino = zlib.crc32(path.encode("utf-8", "surrogateescape")) + 2  # stable per path, as on a disk
+        self._nodes[path] = (Attr(mode, 1, 0, 0, size, t, t, t, (size + 511) // 512, 0, ino), payload)
 
     def add_dir(self, path: str, mode: int = 0o755) -> None:
         self._put(path, stat_mod.S_IFDIR | mode, None, 0, None)
@@ -95,7 +97,7 @@ class MemorySource:
         if not attr.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
         prefix = path.rstrip("/") + "/"
-        return [DirEntry(p[len(prefix):], stat_mod.S_IFMT(a.mode))
+        return [DirEntry(p[len(prefix):], stat_mod.S_IFMT(a.mode), a.ino)
                 for p, (a, _) in sorted(self._nodes.items())
                 if p.startswith(prefix) and p != "/" and "/" not in p[len(prefix):]]
 

@@ -16,7 +16,6 @@ import select
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from cachefs import __version__, fuselib
+from cachefs import __version__
 from cachefs.config import (
     DEFAULT_DISK_FRACTION,
     DEFAULT_DISK_MAX,
@@ -36,10 +35,13 @@ from cachefs.config import (
     DEFAULT_PREFETCH_WORKERS,
     DEFAULT_RAM_FRACTION,
     DEFAULT_RAM_MAX,
+    FUSE_MAX_THREADS,
+    FUSE_READERS,
     MALLOC_ARENAS,
     MAX_READ,
     MOUNT_READY_TIMEOUT,
     ROTATIONAL_PREFETCH_WORKERS,
+    SHUTDOWN_GRACE,
     Config,
     format_size,
 )
@@ -102,17 +104,19 @@ def cachefs_mounts() -> list[MountEntry]:
     return [m for m in list_mounts() if m.fstype == FSTYPE]
 
 
-def _fusermount() -> str:
-    for name in ("fusermount3", "fusermount"):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise CachefsError("fusermount3 not found: install the fuse3 package (apt-get install fuse3)")
+def fusermount_available() -> bool:
+    return shutil.which("fusermount3") is not None
 
 
-def fusermount_unmount(mountpoint: str, lazy: bool = False) -> subprocess.CompletedProcess:
-    cmd = [_fusermount(), "-u"] + (["-z"] if lazy else []) + [mountpoint]
-    return subprocess.run(cmd, capture_output=True, text=True)
+def kernel_unmount(mountpoint: str, lazy: bool = False) -> str | None:
+    """Unmount (umount2 as root, fusermount3 -u otherwise); None, or the one-line reason it failed."""
+    from cachefs.fuse.kernel import MountError, unmount
+
+    try:
+        unmount(mountpoint, lazy=lazy)
+        return None
+    except MountError as exc:
+        return str(exc.strerror or exc)
 
 
 def is_stale(mountpoint: str, timeout: float = 5.0) -> bool:
@@ -271,15 +275,16 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
     if not os.access("/dev/fuse", os.R_OK | os.W_OK):
         raise CachefsError("/dev/fuse is not open to this user (distributions make it mode 0666; in a container "
                            "pass --device /dev/fuse), or mount as root")
-    _fusermount()
-    fuselib.check()
+    if os.getuid() != 0 and not fusermount_available():
+        raise CachefsError("fusermount3 not found: mounting as a user other than root needs it "
+                           "(install the fuse3 package: apt-get install fuse3)")
 
     if stale and check_only:
         notices.append(f"would clear a stale cachefs mount at {mp} (its daemon had died)")
     elif stale:
-        result = fusermount_unmount(mp, lazy=True)
-        if result.returncode != 0 or is_stale(mp):
-            raise CachefsError(f"{mp} is a stale cachefs mount and clearing it failed: {result.stderr.strip()}")
+        problem = kernel_unmount(mp, lazy=True)
+        if problem is not None or is_stale(mp):
+            raise CachefsError(f"{mp} is a stale cachefs mount and clearing it failed: {problem}")
         notices.append(f"cleared a stale cachefs mount at {mp} (its daemon had died)")
     if not os.path.exists(mp):
         raise CachefsError(f"mount point {config.mountpoint!r} does not exist (create it: mkdir -p {mp})")
@@ -440,9 +445,14 @@ def _limit_malloc_arenas() -> None:
 
 
 def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
-    """Build the stack and serve the mount until it is unmounted (blocks)."""
+    """Build the stack, mount, and serve until unmounted or told to stop (blocks).
+
+    SIGTERM, SIGINT and SIGHUP unmount (lazily: files still open keep being served for
+    SHUTDOWN_GRACE seconds), then the cache is written out and serve() returns.
+    """
+    from cachefs import fuse
     from cachefs.control import ControlServer, address_for
-    from cachefs.fuse_ops import CachefsOperations, run_fuse
+    from cachefs.fs import CachefsFS
 
     os.umask(0o077)  # every file the daemon creates (cache blocks, logs) is private
     _limit_malloc_arenas()
@@ -454,15 +464,8 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
             "cache_dir": config.cache_dir, "log_file": config.log_file,
             "control": control.address.replace("\0", "@", 1)}
     metrics = None
-
-    def ready() -> None:
-        # Not inline: stat()ing our own mount point from inside FUSE init would wait on init.
-        threading.Thread(target=tune_readahead, args=(config.mountpoint,), daemon=True).start()
-        if config.warm:
-            threading.Thread(target=_warm_at_mount, args=(core,), name="cachefs-warm", daemon=True).start()
-        if on_ready is not None:
-            on_ready()
-
+    fd = -1
+    session: fuse.Session | None = None
     try:
         if config.metrics_addr:
             from cachefs.metrics import start_metrics_server
@@ -472,13 +475,62 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
             info["metrics"] = f"http://{host}:{port}/metrics"
             core.stats.set_info(metrics=info["metrics"])
             log.info("Prometheus metrics at %s", info["metrics"])
-        ops = CachefsOperations(core, config, on_ready=ready, info=info)
-        run_fuse(ops, config.mountpoint, config)
+        fs = CachefsFS(core, config, info=info)
+        try:
+            fd = fuse.mount(config.mountpoint, config.source, "cachefs", allow_other=config.allow_other,
+                            max_read=MAX_READ)
+        except fuse.MountError as exc:
+            raise RuntimeError(exc.strerror or str(exc)) from None
+        session = fuse.Session(fd, fs, readers=FUSE_READERS, max_threads=FUSE_MAX_THREADS, max_read=MAX_READ,
+                               observer=fs.observe)
+        stop = _stop_on_signals(config.mountpoint, session)
+        session.negotiate()
+        session.start()
+        threading.Thread(target=tune_readahead, args=(config.mountpoint,), daemon=True).start()
+        if config.warm:
+            threading.Thread(target=_warm_at_mount, args=(core,), name="cachefs-warm", daemon=True).start()
+        if on_ready is not None:
+            on_ready()
+        session.wait()
+        if stop.is_set():
+            log.info("unmounted %s after a signal", config.mountpoint)
+        fs.destroy()
     finally:
+        if session is not None:
+            session.stop()
+            session.close()
+        if fd >= 0:
+            os.close(fd)
         if metrics is not None:
             metrics.shutdown()
         control.close()
         core.close()
+
+
+def _stop_on_signals(mountpoint: str, session) -> threading.Event:  # type: ignore[no-untyped-def]
+    """SIGTERM, SIGINT and SIGHUP: unmount lazily, and stop serving once the files still
+    open are closed or SHUTDOWN_GRACE has passed. Returns the event set by a signal."""
+    from cachefs import fuse
+
+    stop = threading.Event()
+
+    def shutdown() -> None:
+        try:
+            fuse.unmount(mountpoint, lazy=True)
+        except fuse.MountError as exc:
+            log.warning("unmounting %s failed: %s", mountpoint, exc)
+        time.sleep(SHUTDOWN_GRACE)  # the session ends before this when no file is open
+        session.stop()
+
+    def handler(signum: int, _frame: object) -> None:
+        if not stop.is_set():
+            stop.set()
+            threading.Thread(target=shutdown, name="cachefs-shutdown", daemon=True).start()
+
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, handler)
+    return stop
 
 
 def tune_readahead(mountpoint: str, size: int = MAX_READ) -> None:
@@ -505,8 +557,6 @@ def setup_logging(verbose: int, log_file: str | None) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
-    if verbose < 3:
-        logging.getLogger("mfusepy").setLevel(logging.WARNING if verbose <= 1 else logging.INFO)
 
 
 def mount(config: Config, out: Callable[[str], None] = print, check_only: bool = False) -> int:
@@ -715,21 +765,20 @@ def unmount(mountpoint: str, timeout: float = 30.0) -> str:
     if entry.fstype != FSTYPE:
         raise CachefsError(f"{mountpoint} is a {entry.fstype} mount, not cachefs")
     if is_stale(mp):
-        result = fusermount_unmount(mp, lazy=True)
-        if result.returncode != 0:
-            raise CachefsError(f"could not clear the stale mount {mp}: {result.stderr.strip()}")
+        problem = kernel_unmount(mp, lazy=True)
+        if problem is not None:
+            raise CachefsError(f"could not clear the stale mount {mp}: {problem}")
         return f"cleared stale mount {mp} (its daemon had died)"
     pid = None
     try:
         pid = int(json.loads(os.getxattr(mp, "user.cachefs.info"))["pid"])
     except (OSError, ValueError, KeyError):
         pass
-    result = fusermount_unmount(mp)
-    if result.returncode != 0:
-        msg = result.stderr.strip().splitlines()[-1] if result.stderr.strip() else "unknown error"
-        if "busy" in msg.lower():
+    problem = kernel_unmount(mp)
+    if problem is not None:
+        if "busy" in problem.lower():
             raise CachefsError(f"{mp} is busy: close the files and shells using it, then retry")
-        raise CachefsError(f"unmounting {mp} failed: {msg}")
+        raise CachefsError(f"unmounting {mp} failed: {problem}")
     if pid is not None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

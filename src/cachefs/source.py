@@ -37,20 +37,12 @@ class Attr(NamedTuple):
     ctime_ns: int
     blocks: int = 0
     rdev: int = 0
+    ino: int = 0
 
     @classmethod
     def from_stat(cls, st: os.stat_result) -> Attr:
         return cls(st.st_mode, st.st_nlink, st.st_uid, st.st_gid, st.st_size,
-                   st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_blocks, st.st_rdev)
-
-    def to_fuse(self) -> dict:
-        """The dict mfusepy fills `struct stat` from (times in ns: Operations.use_ns)."""
-        return {
-            "st_mode": self.mode, "st_nlink": self.nlink, "st_uid": self.uid, "st_gid": self.gid,
-            "st_size": self.size, "st_atime": self.atime_ns, "st_mtime": self.mtime_ns,
-            "st_ctime": self.ctime_ns, "st_blocks": self.blocks, "st_rdev": self.rdev,
-            "st_blksize": 1 << 20,
-        }
+                   st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_blocks, st.st_rdev, st.st_ino)
 
     @property
     def is_file(self) -> bool:
@@ -64,6 +56,7 @@ class Attr(NamedTuple):
 class DirEntry(NamedTuple):
     name: str
     type_mode: int  # only the S_IFMT bits: what readdir reports as d_type
+    ino: int = 0
 
 
 class Source(Protocol):
@@ -247,7 +240,7 @@ class LocalSource:
                             kind = stat_mod.S_IFMT(entry.stat(follow_symlinks=False).st_mode)
                     except OSError:
                         kind = 0  # vanished while listing: report it, a lookup will say ENOENT
-                    out.append(DirEntry(entry.name, kind))
+                    out.append(DirEntry(entry.name, kind, entry.inode()))
         finally:
             os.close(dfd)
         return out

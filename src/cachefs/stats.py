@@ -34,8 +34,9 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 # NVMe tier with --disk-size 0, reads 0), so `d["disk"]["misses"]` never raises in a
 # script. docs/stats.md documents each; tests/test_stats_docs.py holds the two together.
 SOURCE_OPS = ("read_range", "stat", "listdir", "readlink", "statfs", "getxattr", "listxattr")
-FUSE_OPS = ("getattr", "opendir", "readdir", "readlink", "statfs", "open", "read", "release",
-            "getxattr", "listxattr")
+FUSE_OPS = ("lookup", "forget", "batch_forget", "getattr", "readlink", "open", "read", "release", "flush",
+            "opendir", "readdir", "readdirplus", "releasedir", "statfs", "getxattr", "listxattr", "access",
+            "interrupt", "other")
 COUNTERS: tuple[str, ...] = (
     "ram.hits", "ram.misses", "ram.served_bytes", "ram.evictions", "ram.promotions", "ram.refused", "ram.no_room",
     "disk.hits", "disk.misses", "disk.served_bytes", "disk.evictions", "disk.writes", "disk.written_bytes",

@@ -1,0 +1,358 @@
+"""The cachefs file system: kernel requests (cachefs.fuse) translated into Core calls.
+
+Thin by design: map node ids to source paths, call the core, turn every exception into an
+errno (errors.to_errno) with one log line, answer the control interface (extended
+attributes of the mount root named user.cachefs.*, invisible to readdir and to any name).
+
+Kernel-side caching does the heavy lifting for a warm epoch:
+  - entry and attribute timeouts = --metadata-ttl: lookups and stats stay in the kernel;
+  - zero-message opens: the first open() answers ENOSYS, which (FUSE_NO_OPEN_SUPPORT) tells
+    the kernel never to send OPEN, FLUSH or RELEASE again and to keep the page cache across
+    opens. The kernel still drops a file's pages when its attributes show a new size or
+    mtime (FUSE_AUTO_INVAL_DATA);
+  - isatty()'s ioctl is answered by the session before any Python of ours runs.
+"""
+
+from __future__ import annotations
+
+import collections
+import errno
+import functools
+import itertools
+import json
+import logging
+import os
+import queue
+import stat as stat_mod
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from cachefs.blocks import FileId
+from cachefs.config import Config
+from cachefs.core import Core
+from cachefs.errors import to_errno
+from cachefs.fuse import protocol as p
+from cachefs.fuse.session import (
+    Connection,
+    DirItem,
+    Entry,
+    FuseError,
+    Opened,
+    Operations,
+    Request,
+    Session,
+    StatFs,
+)
+from cachefs.source import Attr
+from cachefs.stats import FUSE_OPS
+
+log = logging.getLogger(__name__)
+
+# Control interface: getfattr -n user.cachefs.stats MOUNTPOINT
+CONTROL_PREFIX = "user.cachefs."
+XATTR_STATS = CONTROL_PREFIX + "stats"
+XATTR_INFO = CONTROL_PREFIX + "info"
+
+# Seconds between a changed file's last old read returning and the kernel being told to
+# drop its pages (twice): time for the reply of that read to land in the page cache.
+REPLY_GRACE = 0.05
+
+_QUIET_ERRNOS = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.ENOSYS, errno.ENOTTY}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+# fuse.<op> and fuse.<op>_us per operation the stats know; the rest count as "other"
+_OP_KEYS = {op: (f"fuse.{op}", f"fuse.{op}_us") for op in FUSE_OPS}
+
+
+class ErrorLog:
+    """Which failures get a warning line. A job that retries a bad file every epoch, or a
+    directory of a million files it may not read, must not flood the log: each (operation,
+    path, errno) is warned about once an hour, at most `per_kind` different paths per
+    (operation, errno) an hour, and then one line says the rest are only counted. Every
+    failure is counted (fuse.errors) and logged at debug level. Memory is bounded: the
+    paths are remembered least recently warned first out."""
+
+    def __init__(self, max_paths: int = 10_000, per_kind: int = 100, window: float = 3600.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_paths, self.per_kind, self.window, self._clock = max_paths, per_kind, window, clock
+        self._warned: collections.OrderedDict[tuple[str, str | None, int], float] = collections.OrderedDict()
+        self._kinds: dict[tuple[str, int], tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def level(self, op: str, path: str | None, code: int) -> tuple[int, str | None]:
+        """The level to log this failure at, and a summary line to log once as well."""
+        now = self._clock()
+        key = (op, path, code)
+        with self._lock:
+            last = self._warned.get(key)
+            if last is not None and now - last < self.window:
+                return logging.DEBUG, None
+            start, count = self._kinds.get((op, code), (now, 0))
+            if now - start >= self.window:
+                start, count = now, 0
+            self._kinds[(op, code)] = (start, count + 1)
+            if count >= self.per_kind:
+                summary = (f"{op}: more than {self.per_kind} files failed with {errno.errorcode.get(code, code)} "
+                           f"within {self.window / 3600:g}h; the rest are counted in fuse.errors and logged "
+                           "at debug level (-vv)") if count == self.per_kind else None
+                return logging.DEBUG, summary
+            self._warned[key] = now
+            self._warned.move_to_end(key)
+            while len(self._warned) > self.max_paths:
+                self._warned.popitem(last=False)
+            return logging.WARNING, None
+
+
+class Nodes:
+    """Node ids the kernel holds, and the source path of each. A lookup adds one reference,
+    FORGET takes them away; a node without references is forgotten here too. The root is
+    node 1 and always known."""
+
+    def __init__(self) -> None:
+        self._paths: dict[int, str] = {p.ROOT_ID: "/"}
+        self._ids: dict[str, int] = {"/": p.ROOT_ID}
+        self._refs: dict[int, int] = {}
+        self._next = itertools.count(p.ROOT_ID + 1)
+        self._lock = threading.Lock()
+
+    def path(self, nodeid: int) -> str:
+        try:
+            return self._paths[nodeid]
+        except KeyError:
+            raise FuseError(errno.ESTALE, f"unknown node {nodeid}") from None
+
+    def child(self, parent: int, name: bytes) -> str:
+        if not name or b"/" in name or name in (b".", b".."):
+            raise FuseError(errno.EINVAL if name not in (b".", b"..") else errno.ENOENT)
+        base = self.path(parent)
+        return (base if base != "/" else "") + "/" + os.fsdecode(name)
+
+    def add(self, path: str) -> int:
+        """The node id of `path`, with one more reference from the kernel."""
+        with self._lock:
+            nodeid = self._ids.get(path)
+            if nodeid is None:
+                nodeid = next(self._next)
+                self._ids[path] = nodeid
+                self._paths[nodeid] = path
+            if nodeid != p.ROOT_ID:
+                self._refs[nodeid] = self._refs.get(nodeid, 0) + 1
+            return nodeid
+
+    def id_of(self, path: str) -> int | None:
+        return self._ids.get(path)
+
+    def forget(self, nodeid: int, count: int) -> None:
+        with self._lock:
+            left = self._refs.get(nodeid, 0) - count
+            if left > 0:
+                self._refs[nodeid] = left
+                return
+            self._refs.pop(nodeid, None)
+            path = self._paths.pop(nodeid, None) if nodeid != p.ROOT_ID else None
+            if path is not None and self._ids.get(path) == nodeid:
+                del self._ids[path]
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
+def to_fuse_attr(attr: Attr) -> p.Attr:
+    return p.Attr(attr.ino or 1, attr.mode, attr.nlink, attr.uid, attr.gid, attr.size, attr.atime_ns,
+                  attr.mtime_ns, attr.ctime_ns, attr.blocks, attr.rdev)
+
+
+def _fuse_op(fn: F) -> F:
+    """An operation: any exception becomes one FuseError, logged once per path (ErrorLog)."""
+    name = fn.__name__
+
+    @functools.wraps(fn)
+    def wrapper(self: CachefsFS, req: Request | None, nodeid: int, *args: Any) -> Any:
+        try:
+            return fn(self, req, nodeid, *args)
+        except FuseError as exc:
+            code = exc.errno
+            if code in _QUIET_ERRNOS:
+                raise
+            self.core.stats.incr("fuse.errors")
+            self._log_error(name, self.nodes._paths.get(nodeid), exc, code)
+            raise
+        except BaseException as exc:
+            code = to_errno(exc)
+            if code not in _QUIET_ERRNOS:
+                self.core.stats.incr("fuse.errors")
+                self._log_error(name, self.nodes._paths.get(nodeid), exc, code)
+            raise FuseError(code) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class CachefsFS(Operations):
+    """The file system cachefs mounts: a read-only mirror of the source through the core."""
+
+    want_readdirplus = True
+
+    def __init__(self, core: Core, config: Config, info: dict | None = None):
+        self.core = core
+        self.config = config
+        self.want_no_open = self.zero_message_open = config.zero_message_open
+        self._info = info or {}
+        self._owner = os.getuid()
+        self.nodes = Nodes()
+        self.session: Session | None = None
+        # --open-per-handle: each open pins the file's identity, so one handle never mixes
+        # blocks of two versions of a file.
+        self._handles: dict[int, FileId] = {}
+        self._next_fh = itertools.count(1)
+        self._changed: queue.Queue[str] = queue.Queue()
+        self._errors = ErrorLog()
+        self._ttl = config.metadata_ttl
+        self._negative_ttl = config.negative_ttl
+        core.on_source_changed = self._source_changed
+
+    def _log_error(self, op: str, path: str | None, exc: BaseException, code: int) -> None:
+        if code == errno.ETIMEDOUT and self.core.source_down:
+            level, summary = logging.DEBUG, None  # the source's one warning stands for these
+        else:
+            level, summary = self._errors.level(op, path, code)
+        log.log(level, "%s %s: %s (errno %d %s)", op, path, exc, code,
+                errno.errorcode.get(code, "?"), exc_info=log.isEnabledFor(logging.DEBUG))
+        if summary:
+            log.warning(summary)
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def init(self, conn: Connection, session: Session) -> None:
+        self.session = session
+        self.core.blocking = session.blocking
+        if not conn.no_open:
+            self.zero_message_open = False
+        self.core.stats.set_info(zero_message_open=self.zero_message_open)
+        threading.Thread(target=self._invalidate_loop, name="cachefs-invalidate", daemon=True).start()
+
+    def destroy(self) -> None:
+        self._changed.put("")  # stops the invalidation thread
+
+    def observe(self, op: str, seconds: float, code: int) -> None:
+        """The session's per-request observer: requests and time per operation."""
+        count, micros = _OP_KEYS.get(op) or _OP_KEYS["other"]
+        self.core.stats.add_many({count: 1, micros: int(seconds * 1e6)})
+
+    # -- files that change on the source ----------------------------------------------------
+
+    def _source_changed(self, path: str) -> None:
+        self.core.begin_change(path)
+        self._changed.put(path)
+
+    def _invalidate_loop(self) -> None:
+        """Make the kernel forget a changed file, then let the daemon see its new identity.
+
+        In that order: the kernel may hold the old size and pages of the file for a whole
+        --metadata-ttl, and a daemon already serving new blocks under the old size would
+        hand readers a mix of two versions. Until the kernel is told, reads of the file
+        fail with ESTALE (Core.begin_change). Not done in a request thread: an invalidation
+        from inside a request about the same inode can deadlock on its page locks.
+        """
+        while True:
+            path = self._changed.get()
+            if not path:
+                return
+            self.core.wait_reads_done(path)
+            # A read that just returned has its reply still on the way into the page cache;
+            # so drop the pages after a moment, and once more after that.
+            for _ in range(2):
+                time.sleep(REPLY_GRACE)
+                nodeid = self.nodes.id_of(path)
+                if nodeid is not None and self.session is not None:
+                    self.session.notify_inval_inode(nodeid)
+            self.core.kernel_invalidated(path)
+            log.info("%s changed on the source; readers get the new version from their next read()", path)
+
+    # -- metadata ----------------------------------------------------------------------------
+
+    @_fuse_op
+    def lookup(self, req: Request, parent: int, name: bytes) -> Entry:
+        path = self.nodes.child(parent, name)
+        try:
+            attr = self.core.getattr(path)
+        except FileNotFoundError:
+            # a negative entry: the kernel remembers "no such file" for --negative-ttl
+            return Entry(0, p.Attr(0, 0, 0, 0, 0, 0, 0, 0, 0), self._negative_ttl, 0)
+        nodeid = self.nodes.add(path)
+        return Entry(nodeid, to_fuse_attr(attr), self._ttl, self._ttl)
+
+    def forget(self, nodeid: int, nlookup: int) -> None:
+        self.nodes.forget(nodeid, nlookup)
+
+    @_fuse_op
+    def getattr(self, req: Request, nodeid: int, fh: int | None) -> tuple[p.Attr, float]:
+        path = self.nodes.path(nodeid)
+        self.core.kernel_getattr(path)
+        return to_fuse_attr(self.core.getattr(path)), self._ttl
+
+    @_fuse_op
+    def readlink(self, req: Request, nodeid: int) -> bytes:
+        return os.fsencode(self.core.readlink(self.nodes.path(nodeid)))
+
+    @_fuse_op
+    def opendir(self, req: Request, nodeid: int, flags: int) -> Opened:
+        if not self.core.getattr(self.nodes.path(nodeid)).is_dir:
+            raise FuseError(errno.ENOTDIR)
+        return Opened()
+
+    @_fuse_op
+    def readdir(self, req: Request, nodeid: int, fh: int) -> list[DirItem]:
+        # d_type comes with each entry: os.scandir()/os.walk() never need a stat per entry
+        items = [DirItem(b".", stat_mod.S_IFDIR), DirItem(b"..", stat_mod.S_IFDIR)]
+        items += [DirItem(os.fsencode(e.name), e.type_mode, e.ino) for e in self.core.readdir(self.nodes.path(nodeid))]
+        return items
+
+    @_fuse_op
+    def statfs(self, req: Request, nodeid: int) -> StatFs:
+        s = self.core.statfs()
+        return StatFs(s["f_blocks"], s["f_bfree"], s["f_bavail"], s["f_files"], s["f_ffree"], s["f_bsize"],
+                      s["f_namemax"], s["f_frsize"])
+
+    # -- data ----------------------------------------------------------------------------------
+
+    @_fuse_op
+    def open(self, req: Request, nodeid: int, flags: int) -> Opened:
+        if self.zero_message_open:
+            # ENOSYS here means "success, and do not ask again" (FUSE_NO_OPEN_SUPPORT).
+            raise FuseError(errno.ENOSYS)
+        fh = next(self._next_fh)
+        self._handles[fh] = self.core.file_id(self.nodes.path(nodeid))  # ENOENT/EISDIR now
+        return Opened(fh, p.FOPEN_KEEP_CACHE)
+
+    @_fuse_op
+    def read(self, req: Request, nodeid: int, fh: int, offset: int, size: int) -> bytes:
+        return self.core.read(self.nodes.path(nodeid), offset, size, fid=self._handles.get(fh))
+
+    @_fuse_op
+    def release(self, req: Request, nodeid: int, fh: int) -> None:
+        self._handles.pop(fh, None)
+
+    # -- extended attributes and the control interface -------------------------------------
+
+    @_fuse_op
+    def getxattr(self, req: Request, nodeid: int, name: bytes) -> bytes:
+        text = os.fsdecode(name)
+        if nodeid == p.ROOT_ID and text.startswith(CONTROL_PREFIX):
+            return self._control(text, req.uid)
+        return self.core.getxattr(self.nodes.path(nodeid), text)
+
+    @_fuse_op
+    def listxattr(self, req: Request, nodeid: int) -> Iterable[bytes]:
+        return [os.fsencode(n) for n in self.core.listxattr(self.nodes.path(nodeid))]
+
+    def _control(self, name: str, uid: int) -> bytes:
+        if uid not in (self._owner, 0):
+            raise FuseError(errno.EACCES)
+        if name == XATTR_STATS:
+            return json.dumps(self.core.stats.snapshot(), separators=(",", ":")).encode()
+        if name == XATTR_INFO:
+            return json.dumps(dict(self._info, pid=os.getpid())).encode()
+        raise FuseError(errno.ENODATA)
