@@ -1,7 +1,8 @@
+import xxhash
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cachefs.blocks import FileId, block_count, block_extent, block_key, block_range
+from cachefs.blocks import FileId, block_count, block_extent, block_key, block_range, entry_id
 
 
 def test_block_count():
@@ -50,4 +51,18 @@ def test_block_key_carries_identity_and_geometry():
 
 def test_block_key_of_undecodable_name_is_the_original_bytes():
     name = b"/caf\xe9".decode("utf-8", "surrogateescape")
-    assert b"/caf\xe9" in block_key(b"ns", FileId(name, 1, 1), 0, 4096)
+    eid, index = block_key(b"ns", FileId(name, 1, 1), 0, 4096)
+    assert index == 0 and eid == xxhash.xxh3_128_digest(b"ns\0/caf\xe9\0001\0001\0000\0004096")
+
+
+def test_an_entry_id_changes_with_every_part_of_the_identity():
+    base = (b"ns", FileId("/a", 10, 20, 30), 4096)
+    ids = {entry_id(*base),
+           entry_id(b"other", *base[1:]),                         # another source
+           entry_id(b"ns", FileId("/b", 10, 20, 30), 4096),        # another path
+           entry_id(b"ns", FileId("/a", 11, 20, 30), 4096),        # size
+           entry_id(b"ns", FileId("/a", 10, 21, 30), 4096),        # mtime
+           entry_id(b"ns", FileId("/a", 10, 20, 31), 4096),        # ctime (cp -p, re-extracted tar)
+           entry_id(b"ns", FileId("/a", 10, 20, 30), 8192)}        # block geometry
+    assert len(ids) == 7 and all(len(i) == 16 for i in ids)
+    assert block_key(*base[:2], 5, 4096) == (entry_id(*base), 5)

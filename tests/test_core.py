@@ -373,7 +373,7 @@ def test_reads_that_wait_for_a_shared_nvme_fetch_count_as_hits(tmp_path, source)
     core = make_core(source, disk=disk, block_size=BS)
     core.read("/f", 0, BS)
     disk.flush()
-    core.cache.ram.discard(next(iter(core.cache.ram._entries)))  # RAM forgets; NVMe keeps it
+    core.cache.ram.discard(next(iter(core.cache.ram.policy.keys())))  # RAM forgets; NVMe keeps it
     core.stats = stats = Stats()
     core.cache._stats = stats
     release = threading.Event()

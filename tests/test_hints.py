@@ -17,7 +17,7 @@ from cachefs.tiers.disk import DiskTier
 from tests.helpers import make_core
 
 BS = 64 << 10
-FILE = 50_000  # one block per file, like an ImageNet JPEG
+FILE = 49_152  # one block per file, like an ImageNet JPEG; whole pages, as the tiers count them
 
 
 # -- pins in the policy --------------------------------------------------------------------
@@ -109,7 +109,7 @@ def ram_hit_rate(core, before=(0, 0)):
 
 
 def test_a_hinted_epoch_over_a_dataset_4x_ram_reads_from_ram(source):
-    files = make_dataset(source, 200)                          # 200 x 50 KB = 10 MB
+    files = make_dataset(source, 200)                          # 200 x 48 KiB = 9.4 MiB
     ram = 2_600_000                                           # a quarter of it
     core, p = hinted_core(source, ram)
     board = core.hints
@@ -145,9 +145,9 @@ def test_hints_fetch_from_nvme_first_and_offer_source_fetches_to_nvme(source, tm
     p.run_until_idle()
     assert core.stats.get("hint.from_source") == 8
     disk.flush()
-    assert all(disk.probably_has(k) for k in list(core.cache.ram._entries))
+    assert all(disk.probably_has(k) for k in core.cache.ram.policy.keys())  # noqa: SIM118
     core.hints.close(session)
-    core.cache.ram.close()                                   # RAM lost; NVMe kept
+    core.cache.ram.clear()                                   # RAM lost; NVMe kept
     disk.read_latency = 0.0002                               # a fast NVMe: the reader reads it
     session = core.hints.open("job", lookahead=8)
     core.hints.add(session, order[:8], yielded=0)

@@ -209,8 +209,8 @@ def test_simulate_tool_replays_through_the_core(tmp_path):
                             seed=0, ranks=4, workdir=str(tmp_path))
         lru = simulate.run(tier, "lru", "sequential", 0.5, files=200, epochs=4, block=1 << 20,
                            seed=0, ranks=4, workdir=str(tmp_path))
-        # RAM: exactly the optimum; NVMe: less its SQLite pages and 4 KiB file rounding
-        assert keep[0] == 0 and min(keep[2:]) >= (0.99 if tier == "ram" else 0.9) * 0.5, (tier, keep)
+        # the optimum less each file's rounding to 4 KiB pages (and, on NVMe, the index)
+        assert keep[0] == 0 and min(keep[2:]) >= (0.97 if tier == "ram" else 0.9) * 0.5, (tier, keep)
         assert lru[1:] == [0.0] * 3, (tier, lru)  # LRU's collapse under sequential epochs
     results = [{"tier": "ram", "policy": p, "pattern": "random", "ratio": r, "steady": r * 0.9}
                for p in ("keep", "lru") for r in (0.2, 0.5)]

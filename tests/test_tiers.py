@@ -1,76 +1,192 @@
+"""The tiers without a mount: entry files on tmpfs (RAM) and on the cache disk (NVMe), their
+budgets, policies, index, crash recovery, verification, and failures."""
+
+import errno
+import logging
 import os
 import random
-import time
+import shutil
+import stat
+import threading
 
 import pytest
 
-from cachefs.checksum import encode_block
+from cachefs.source import Attr
 from cachefs.stats import Stats
-from cachefs.tiers.disk import DiskTier, disk_key
-from cachefs.tiers.memory import MemoryTier
+from cachefs.tiers import index
+from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.memory import MemoryTier, sweep_stale
 from cachefs.tiers.multilevel import MultiLevelCache
+from cachefs.tiers.store import EntryInfo, allocated
+
+BS = 64 << 10
 
 
-def check_memory_invariants(tier: MemoryTier):
-    entries = tier._entries
-    assert tier.used_bytes == sum(len(v) for v in entries.values())
-    assert tier.used_bytes <= tier.capacity
+def info(path: str, size: int, bs: int = BS, mtime: int = 1_000) -> EntryInfo:
+    return EntryInfo(path, Attr(stat.S_IFREG | 0o644, 1, 0, 0, size, mtime, mtime, mtime, -(-size // 512)), bs)
+
+
+def eid(n) -> bytes:
+    return bytes([n % 256]) * 15 + bytes([n // 256])
+
+
+def put(tier, n: int, data: bytes, index_: int = 0, size: int | None = None, evict: bool = True, bs: int = BS):
+    return tier.put((eid(n), index_), data, info(f"/f{n}", len(data) if size is None else size, bs), evict)
+
+
+def check(tier):
     tier.check()
+    assert tier.used_bytes <= tier.capacity
 
+
+# -- RAM ---------------------------------------------------------------------------------------
 
 def test_memory_tier_keep_policy_refuses_instead_of_evicting():
     stats = Stats()
-    t = MemoryTier(100, stats)  # the default policy: keep what you have
-    assert t.put(b"a", b"x" * 40) and t.put(b"b", b"y" * 40)
-    assert not t.put(b"c", b"z" * 40)  # full, nothing idle: c is not admitted
-    assert not t.put(b"d", b"w" * 40, evict=False)  # a guess: no room
-    assert t.get(b"a") and t.get(b"b") and t.get(b"c") is None
+    t = MemoryTier(3 * 4096, stats)  # the default policy: keep what you have
+    assert put(t, 1, b"x" * 4000) and put(t, 2, b"y" * 4000) and put(t, 3, b"z" * 4000)
+    assert not put(t, 4, b"w" * 4000)                       # full, nothing idle: not admitted
+    assert not put(t, 5, b"v" * 4000, evict=False)          # a guess: no room
+    assert t.get((eid(1), 0)) == b"x" * 4000 and t.get((eid(4), 0)) is None
     assert stats.get("ram.evictions") == 0
     assert stats.get("ram.refused") == 1 and stats.get("ram.no_room") == 1
-    check_memory_invariants(t)
+    check(t)
+    t.close()
 
 
-def test_memory_tier_lru_and_budget():
+def test_memory_tier_lru_evicts_the_least_recent_and_frees_its_file():
     stats = Stats()
-    t = MemoryTier(100, stats, policy="lru")
-    assert t.put(b"a", b"x" * 40) and t.put(b"b", b"y" * 40)
-    assert t.get(b"a") == b"x" * 40            # a is now most recent
-    assert t.put(b"c", b"z" * 40)              # evicts b, the least recent
-    assert t.get(b"b") is None and t.get(b"a") is not None and t.get(b"c") is not None
-    assert stats.get("ram.evictions") == 1
-    check_memory_invariants(t)
+    t = MemoryTier(2 * 4096, stats, policy="lru")
+    put(t, 1, b"x" * 4000)
+    put(t, 2, b"y" * 4000)
+    assert t.get((eid(1), 0)) == b"x" * 4000               # 1 is now most recent
+    assert put(t, 3, b"z" * 4000)                           # evicts 2
+    assert t.get((eid(2), 0)) is None and stats.get("ram.evictions") == 1
+    assert not os.path.exists(t.file_of(eid(2).hex()))     # its memory is given back
+    assert os.path.exists(t.file_of(eid(1).hex()))
+    check(t)
+    t.close()
 
 
-def test_memory_tier_refuses_oversized_block_without_evicting():
-    t = MemoryTier(100)
-    t.put(b"a", b"x" * 60)
-    assert not t.put(b"big", b"y" * 101)
-    assert t.get(b"a") == b"x" * 60
-    check_memory_invariants(t)
+def test_memory_tier_lives_on_tmpfs_and_its_directory_goes_with_it():
+    t = MemoryTier(1 << 20)
+    put(t, 1, b"x" * 100)
+    assert t.directory.startswith(("/dev/shm/", os.environ.get("XDG_RUNTIME_DIR") or "/dev/shm/"))
+    assert stat.S_IMODE(os.stat(t.directory).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(t.file_of(eid(1).hex())).st_mode) == 0o600
+    directory = t.directory
+    t.close()
+    assert not os.path.exists(directory)
+
+
+def test_a_killed_daemons_ram_directory_is_swept(tmp_path):
+    dead = tmp_path / f"cachefs-{os.getuid()}-999999999-abc"
+    alive = tmp_path / f"cachefs-{os.getuid()}-{os.getpid()}-abc"
+    other = tmp_path / f"cachefs-{os.getuid() + 1}-999999999-abc"
+    for d in (dead, alive, other):
+        d.mkdir()
+    assert sweep_stale(str(tmp_path)) == 1
+    assert not dead.exists() and alive.exists() and other.exists()
+
+
+def test_memory_tier_refuses_an_oversized_block_without_evicting():
+    t = MemoryTier(4 * 4096)
+    put(t, 1, b"x" * 6000)
+    assert not put(t, 2, b"y" * 20_000)
+    assert t.get((eid(1), 0)) == b"x" * 6000
+    check(t)
+    t.close()
 
 
 @pytest.mark.parametrize("policy", ["keep", "lru"])
 def test_memory_tier_invariants_under_random_operations(policy):
     rng = random.Random(7)
-    t = MemoryTier(1000, policy=policy)
-    for _ in range(3000):
-        key = b"k%d" % rng.randrange(50)
+    t = MemoryTier(20 * 4096, policy=policy)
+    contents = {}
+    for _ in range(1500):
+        n = rng.randrange(40)
         op = rng.random()
         if op < 0.6:
-            t.put(key, b"v" * rng.randrange(0, 400))
+            data = bytes([n]) * rng.randrange(1, 9000)
+            if (eid(n), 0) not in t and put(t, n, data):
+                contents[n] = data
         elif op < 0.9:
-            t.get(key)
+            got = t.get((eid(n), 0))
+            assert got is None or got == contents[n]
         else:
-            t.discard(key)
-        check_memory_invariants(t)
+            t.discard((eid(n), 0))
+        check(t)
+        assert t.used_bytes == sum(allocated(len(contents[k[0][0]])) for k in list(t.policy.keys()))
+    t.close()
 
+
+def test_hinted_blocks_are_pinned_until_read():
+    t = MemoryTier(4 * 4096, policy="keep")
+    for n in range(4):
+        put(t, n, b"x" * 4096)
+    key = (eid(9), 0)
+    assert t.put_pinned(key, b"h" * 4096, info("/h", 4096), pin_limit=8192)  # replaces the oldest
+    assert t.pinned_bytes == 4096 and t.get(key) == b"h" * 4096
+    assert t.get((eid(0), 0)) is None
+    t.unpin(key)
+    assert t.pinned_bytes == 0
+    check(t)
+    t.close()
+
+
+# -- sparse entries and passthrough ----------------------------------------------------------
+
+def test_a_large_file_fills_block_by_block_and_is_passed_through_when_complete():
+    t = MemoryTier(1 << 20)
+    size = 3 * BS + 100
+    blocks = [bytes([i]) * (BS if i < 3 else 100) for i in range(4)]
+    for i in (2, 0, 3):                                     # out of order
+        assert put(t, 7, blocks[i], index_=i, size=size)
+        assert t.backing_file(eid(7)) is None               # not complete: no passthrough
+    assert put(t, 7, blocks[1], index_=1, size=size)
+    path = t.backing_file(eid(7))
+    with open(path, "rb") as f:
+        assert f.read() == b"".join(blocks)                 # the file's bytes and nothing else
+    assert os.path.getsize(path) == size
+    check(t)
+    t.close()
+
+
+def test_an_evicted_block_of_a_large_file_is_punched_out_unless_the_file_is_open():
+    t = MemoryTier(1 << 20, policy="lru")
+    size = 4 * BS
+    for i in range(4):
+        put(t, 3, bytes([i + 1]) * BS, index_=i, size=size)
+    path = t.file_of(eid(3).hex())
+    used = os.stat(path).st_blocks
+    t.discard((eid(3), 1))                                   # one block goes: a hole
+    assert os.stat(path).st_blocks < used and t.entry(eid(3)).present == 3
+    with open(path, "rb") as f:
+        f.seek(BS)
+        assert f.read(BS) == bytes(BS)
+    assert t.get((eid(3), 2)) == b"\3" * BS
+    put(t, 3, b"\2" * BS, index_=1, size=size)
+    assert t.acquire(eid(3))                                 # the kernel reads it directly now
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t.discard((eid(3), 0))                               # no hole under a reader: the entry goes
+        assert t.entry(eid(3)) is None and not os.path.exists(path)
+        assert t.get((eid(3), 2)) is None
+        assert os.pread(fd, BS, BS) == b"\2" * BS            # the open file keeps its bytes
+    finally:
+        os.close(fd)
+    check(t)
+    t.close()
+
+
+# -- NVMe -------------------------------------------------------------------------------------
 
 @pytest.fixture
 def disk(tmp_path):
     tiers = []
 
-    def make(capacity=10 << 20, stats=None, **kw):
-        t = DiskTier(str(tmp_path / "blocks"), capacity, stats or Stats(), **kw)
+    def make(capacity=8 << 20, stats=None, policy="keep", name="store", **kw):
+        t = DiskTier(str(tmp_path / name), capacity, stats or Stats(), policy=policy, scrub=False, **kw)
         tiers.append(t)
         return t
 
@@ -79,306 +195,252 @@ def disk(tmp_path):
         t.close()
 
 
-def test_disk_tier_roundtrip_and_persistence(disk, tmp_path):
+def test_disk_tier_roundtrip_and_persistence_without_the_source(disk):
     t = disk()
-    t.put(b"k1", b"hello")
-    t.put(b"k2", b"x" * 100_000)  # stored as a separate file by diskcache
-    t.flush()
+    data = os.urandom(50_000)
+    assert put(t, 1, data)
+    assert t.get((eid(1), 0)) == data
     t.close()
     t2 = disk()
-    assert t2.get(b"k1") == b"hello"
-    assert t2.get(b"k2") == b"x" * 100_000
-    assert t2.get(b"nope") is None
+    assert t2.info_of(eid(1)).path == "/f1"
+    assert t2.attr_of("/f1")[0].size == 50_000               # what a remount answers lookups from
+    assert t2.entry(eid(1)).unverified == {0}                # checked once after each start ...
+    assert t2.get((eid(1), 0)) == data and t2.entry(eid(1)).unverified is None  # ... on first use
+    check(t2)
 
 
-def test_disk_tier_detects_corruption_counts_and_drops(disk, tmp_path):
+def test_a_block_changed_between_two_runs_is_never_served(disk):
     stats = Stats()
     t = disk(stats=stats)
-    t.put_now(b"k", b"A" * 100_000)
-    files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "blocks") for f in fs if f.endswith(".val")]
-    assert len(files) == 1
-    with open(files[0], "r+b") as f:
-        f.seek(50_000)
-        f.write(b"B")
-    assert t.get(b"k") is None
-    assert stats.get("disk.checksum_failures") == 1
-    assert b"k" not in t            # the bad entry is gone: the next read refetches
-    assert t.get(b"k") is None
+    put(t, 1, os.urandom(50_000))
+    t.close()                                                 # a clean stop
+    with open(t.file_of(eid(1).hex()), "r+b") as f:
+        f.write(b"rot")
+    t2 = disk(stats=stats)
+    assert t2.backing_file(eid(1)) is None and t2.get((eid(1), 0)) is None
     assert stats.get("disk.checksum_failures") == 1
 
 
-def test_disk_tier_blob_stored_under_wrong_key_is_a_miss(disk):
+def test_after_an_unclean_stop_each_block_is_checked_once_before_it_is_served(disk, tmp_path):
     stats = Stats()
     t = disk(stats=stats)
-    t.put_now(b"k2", b"data")
-    t._cache.set(disk_key(b"k2"), encode_block(b"k1", b"data"))   # k1's blob now stored under k2
-    assert t.get(b"k2") is None
+    good, bad = os.urandom(50_000), os.urandom(50_000)
+    put(t, 1, good)
+    put(t, 2, bad)
+    t._stop.set()
+    os.close(t._log_fd)                                      # a kill -9: no clean mark
+    t._log_fd = -1
+    with open(t.file_of(eid(2).hex()), "r+b") as f:          # a torn write, bit rot
+        f.seek(1000)
+        f.write(b"\xff\xfe")
+    t2 = disk(stats=stats)
+    assert t2.entry(eid(1)).unverified == {0} and t2.entry(eid(2)).unverified == {0}
+    assert t2.get((eid(1), 0)) == good and t2.entry(eid(1)).unverified is None
+    assert t2.get((eid(2), 0)) is None and t2.entry(eid(2)) is None
     assert stats.get("disk.checksum_failures") == 1
+    check(t2)
 
 
-def test_disk_tier_index_answers_misses_without_the_database(disk):
+def test_an_empty_file_after_a_crash_is_never_passed_through(disk):
     t = disk()
-    t.put_now(b"old", b"x")
+    put(t, 1, os.urandom(50_000))
+    t._stop.set()
+    os.close(t._log_fd)
+    t._log_fd = -1
+    os.truncate(t.file_of(eid(1).hex()), 0)                  # renamed in, data never written back
+    t2 = disk()
+    assert t2.backing_file(eid(1)) is None and t2.entry(eid(1)) is None
+
+
+def test_the_scrub_finds_bit_rot_in_a_trusted_block(disk):
+    stats = Stats()
+    t = disk(stats=stats)
+    put(t, 1, os.urandom(50_000))
+    with open(t.file_of(eid(1).hex()), "r+b") as f:
+        f.write(b"rot")
+    assert t._check_block((eid(1), 0)) == 50_000
+    assert stats.get("disk.checksum_failures") == 1 and t.entry(eid(1)) is None
+    assert stats.get("disk.scrubbed_bytes") == 50_000
+
+
+def test_damaged_index_lines_cost_their_blocks_not_the_mount(disk, caplog):
+    t = disk()
+    for n in range(10):
+        put(t, n, bytes([n]) * 5000)
     t.close()
+    path = os.path.join(t.directory, index.NAME)
+    lines = open(path, "rb").read().splitlines(keepends=True)
+    damaged = [lines[i] if i % 3 else lines[i].replace(b"\t", b" ", 1) for i in range(len(lines))]
+    open(path, "wb").write(b"".join(damaged) + b"\x00garbage\xff\n")
+    with caplog.at_level(logging.WARNING):
+        t2 = disk()
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "damaged index lines" in warnings[0].getMessage()
+    held = [n for n in range(10) if t2.get((eid(n), 0)) == bytes([n]) * 5000]
+    assert 0 < len(held) < 10                                 # what verifies is kept
+    assert len(os.listdir(os.path.join(t2.directory, "data", eid(0).hex()[:2]))) >= 0
+    files = [f for d, _, fs in os.walk(os.path.join(t2.directory, "data")) for f in fs]
+    assert len(files) == len(held)                            # the rest were deleted as orphans
+    check(t2)
+
+
+def test_an_unreadable_index_is_set_aside_and_the_tier_starts_empty(disk, caplog):
     t = disk()
-    assert t._index_ready.wait(5)
-    real = t._cache
+    put(t, 1, b"x" * 5000)
+    t.close()
+    path = os.path.join(t.directory, index.NAME)
+    os.unlink(path)
+    os.mkdir(path)                                            # reading it fails with EISDIR
+    with caplog.at_level(logging.WARNING):
+        t2 = disk()
+    assert "set aside" in caplog.text and t2.get((eid(1), 0)) is None
+    assert any(n.startswith(index.NAME + ".unreadable-") for n in os.listdir(t2.directory))
+    assert put(t2, 2, b"y" * 5000) and t2.get((eid(2), 0)) == b"y" * 5000
 
-    class Counting:
-        calls = 0
 
-        def get(self, *a, **k):
-            Counting.calls += 1
-            return real.get(*a, **k)
+def test_files_no_index_line_describes_are_deleted_at_start(disk):
+    t = disk()
+    put(t, 1, b"x" * 5000)
+    t.close()
+    orphan = t.file_of(eid(77).hex())
+    os.makedirs(os.path.dirname(orphan), exist_ok=True)
+    open(orphan, "wb").write(b"written, never recorded")
+    t2 = disk()
+    assert not os.path.exists(orphan) and t2.get((eid(1), 0)) == b"x" * 5000
 
-    t._cache = Counting()
-    try:
-        assert t.get(b"never-stored") is None
-        assert Counting.calls == 0                  # a miss costs a set lookup only
-        assert t.get(b"old") == b"x"                # a block from before the restart is found
-        assert Counting.calls == 1
-    finally:
-        t._cache = real
+
+def test_an_entry_whose_file_is_gone_is_dropped_at_start(disk):
+    t = disk()
+    put(t, 1, b"x" * 5000)
+    put(t, 2, b"y" * 5000)
+    t.close()
+    os.unlink(t.file_of(eid(1).hex()))
+    t2 = disk()
+    assert t2.entry(eid(1)) is None and t2.get((eid(2), 0)) == b"y" * 5000
+    check(t2)
 
 
 @pytest.mark.parametrize("policy", ["keep", "lru"])
-def test_disk_tier_never_exceeds_capacity(disk, policy):
-    cap = 2 << 20
-    t = disk(capacity=cap, policy=policy)
-    rng = random.Random(1)
-    for i in range(200):
-        t.put_now(b"k%d" % i, rng.randbytes(rng.randrange(1000, 200_000)))
-        assert t.used_bytes <= cap
-        t.check()
-    assert t.used_bytes > cap // 2       # and it is actually used
-    if policy == "lru":
-        assert t.get(b"k199") is not None and t.get(b"k0") is None  # the newest survives
-    else:
-        assert t.get(b"k0") is not None and t.get(b"k199") is None  # the first ones stay
+def test_disk_tier_never_exceeds_its_budget(disk, policy):
+    t = disk(capacity=1 << 20, policy=policy)
+    rng = random.Random(3)
+    for n in range(300):
+        put(t, n, os.urandom(rng.randrange(1000, 30_000)))
+        du = sum(os.lstat(os.path.join(d, f)).st_blocks * 512 for d, _, fs in os.walk(t.directory) for f in fs)
+        du += sum(os.lstat(os.path.join(d, x)).st_blocks * 512 for d, xs, _ in os.walk(t.directory) for x in xs)
+        assert du + 4096 <= t.capacity and t._volume() <= t.capacity, n
+    check(t)
 
 
-def test_disk_tier_files_are_private(disk, tmp_path):
-    old = os.umask(0o077)
-    try:
-        t = disk()
-        t.put_now(b"k", b"x" * 100_000)
-    finally:
-        os.umask(old)
-    root = tmp_path / "blocks"
-    assert os.stat(root).st_mode & 0o777 == 0o700
-    for r, _dirs, files in os.walk(root):
-        for f in files:
-            assert os.stat(os.path.join(r, f)).st_mode & 0o077 == 0, f
+def test_disk_tier_files_are_private(disk):
+    t = disk()
+    put(t, 1, b"x" * 5000)
+    assert stat.S_IMODE(os.stat(t.directory).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(t.file_of(eid(1).hex())).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(os.path.join(t.directory, index.NAME)).st_mode) == 0o600
 
 
-def test_disk_tier_io_error_is_a_miss(disk):
+def test_a_read_error_is_a_miss_and_counted(disk, monkeypatch):
     stats = Stats()
     t = disk(stats=stats)
-    t.put_now(b"k", b"x")
+    put(t, 1, b"x" * 5000)
 
-    class Broken:
-        def get(self, *a, **k):
-            raise OSError(5, "EIO")
+    def broken(name):
+        raise OSError(errno.EIO, "Input/output error")
 
-    t._cache, real = Broken(), t._cache
-    try:
-        assert t.get(b"k") is None
-        assert stats.get("disk.errors") == 1
-    finally:
-        t._cache = real
+    monkeypatch.setattr(t._fds, "_open", broken)
+    t._fds.forget(eid(1).hex())
+    assert t.get((eid(1), 0)) is None
+    assert stats.get("disk.errors") == 1
 
 
 def test_multilevel_promotes_disk_hits_into_ram(disk):
     stats = Stats()
     d = disk(stats=stats)
-    d.put_now(b"k", b"data")
-    cache = MultiLevelCache(MemoryTier(1000, stats), d, stats)
-    assert cache.ram.get(b"k") is None
-    assert cache.get_disk(b"k") == b"data"
-    assert cache.ram.get(b"k") == b"data"
+    put(d, 1, b"data" * 1000)
+    cache = MultiLevelCache(MemoryTier(1 << 20, stats), d, stats)
+    assert cache.ram.get((eid(1), 0)) is None
+    assert cache.get_disk((eid(1), 0)) == b"data" * 1000
+    assert cache.ram.get((eid(1), 0)) == b"data" * 1000
     assert stats.get("ram.promotions") == 1 and stats.get("disk.hits") == 1
-    assert cache.get_disk(b"missing") is None and stats.get("disk.misses") == 1
+    assert cache.get_disk((eid(9), 0)) is None and stats.get("disk.misses") == 1
+    assert cache.backing(eid(1)).tier is cache.ram           # RAM first
+    cache.ram.close()
 
 
 def test_disk_tier_reopened_with_a_smaller_budget_trims_itself(disk):
-    t = disk(capacity=8 << 20)
-    for i in range(40):
-        t.put_now(b"k%d" % i, bytes(150_000))
-    assert t.used_bytes > 4 << 20
+    t = disk(capacity=4 << 20)
+    for n in range(40):
+        put(t, n, os.urandom(50_000))
     t.close()
-    small = disk(capacity=2 << 20)
-    small.flush()  # the writer trims before its first write
-    deadline = time.monotonic() + 5
-    while small.used_bytes > 2 << 20 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert small.used_bytes <= 2 << 20
-
-
-def test_batched_background_writes_respect_the_budget(disk):
-    cap = 3 << 20
-    t = disk(capacity=cap, policy="lru")
-    rng = random.Random(5)
-    for i in range(120):
-        t.put(b"q%d" % i, rng.randbytes(rng.randrange(10_000, 150_000)))
-        if i % 10 == 0:
-            assert t.used_bytes <= cap
-    t.flush()
-    assert t.used_bytes <= cap
-    assert t.get(b"q119") is not None
-    assert t._stats.get("disk.writes") == 120
-    t.check()
+    t2 = disk(capacity=1 << 20)
+    assert t2._volume() <= 1 << 20 and len(t2) < 40
+    check(t2)
 
 
 @pytest.mark.parametrize("policy", ["keep", "lru"])
-def test_disk_files_match_the_index_under_concurrent_reads(disk, tmp_path, policy):
-    """Lookups racing the writer's uncommitted batches must not drop keys from the index:
-    a dropped key's file would stay on disk, outside the budget's account."""
-    import threading
+def test_concurrent_readers_and_writers_see_exact_bytes(disk, policy):
+    t = disk(capacity=2 << 20, policy=policy)
+    contents = {n: bytes([n]) * (1000 + 997 * n) for n in range(60)}
+    errors = []
 
-    cap = 3 << 20
-    t = disk(capacity=cap, policy=policy)
-    keys = [b"key%d" % i for i in range(150)]
-    stop = threading.Event()
+    def work(seed):
+        rng = random.Random(seed)
+        for _ in range(300):
+            n = rng.randrange(60)
+            if rng.random() < 0.5:
+                put(t, n, contents[n])
+            else:
+                got = t.get((eid(n), 0))
+                if got is not None and got != contents[n]:
+                    errors.append(n)
 
-    def reader():
-        rng = random.Random()
-        while not stop.is_set():
-            t.get(rng.choice(keys))
-
-    readers = [threading.Thread(target=reader) for _ in range(4)]
-    for r in readers:
-        r.start()
-    try:
-        for key in keys:
-            t.put(key, os.urandom(60_000))
-        t.flush()
-    finally:
-        stop.set()
-        for r in readers:
-            r.join()
-    vals = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "blocks") for f in fs if f.endswith(".val")]
-    assert len(vals) == len(t.policy)
-    assert sum(-(-os.path.getsize(v) // 4096) * 4096 for v in vals) == t.policy.used
-    t.check()
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(8)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors
+    check(t)
+    t.close()
+    t2 = disk(capacity=2 << 20, policy=policy)
+    for key in list(t2.policy.keys()):
+        assert t2.get(key) == contents[key[0][0]]
 
 
-def test_orphaned_value_files_are_removed_at_start_and_young_ones_kept(disk, tmp_path):
-    """A kill -9 between a value file's write and its row's commit leaves a file no row
-    names; the next start deletes it (the budget could not count it), but not a file young
-    enough to belong to another daemon's batch in flight."""
+def test_disk_tier_reads_with_o_direct_where_the_filesystem_allows(disk, tmp_path):
     t = disk()
-    t.put_now(b"kept", b"k" * 50_000)
-    t.close()
-    blocks = tmp_path / "blocks"
-    old_orphan = blocks / "3" / ("0" * 31 + ".val")
-    young_orphan = blocks / "5" / ("1" * 31 + ".val")
-    for f in (old_orphan, young_orphan):
-        f.parent.mkdir(exist_ok=True)
-        f.write_bytes(os.urandom(40_000))
-    past = time.time() - 3600
-    os.utime(old_orphan, (past, past))
-    t2 = disk()
-    t2.flush()  # the writer has finished start-up once it has written
-    t2.put_now(b"other", b"o" * 1000)
-    assert not old_orphan.exists()
-    assert young_orphan.exists()
-    assert t2.get(b"kept") == b"k" * 50_000
-    vals = [f for f in blocks.rglob("*.val") if f != young_orphan]
-    assert len(vals) == len(t2.policy) == 2
-
-
-def test_an_index_row_whose_file_an_unclean_stop_deleted_is_dropped_at_start(disk, tmp_path, caplog):
-    """Inside the writer's transaction diskcache deletes a replaced (or evicted) block's
-    file at once; the row's change waits for the commit. A transaction that never commits
-    (kill -9, or a failed commit rolled back, as here) leaves the old row naming a deleted
-    file: a miss to readers, but counted in the budget until the next start drops it."""
-    import logging
-
-    caplog.set_level(logging.WARNING)
-    t = disk()
-    t.put_now(b"a", b"1" * 50_000)
-    t.put_now(b"b", b"2" * 50_000)
-    with pytest.raises(RuntimeError), t._cache.transact(retry=True):
-        t.put_now(b"a", b"3" * 50_000)  # replaces a: its old file is deleted now
-        raise RuntimeError("killed before the commit")
-    assert t.get(b"a") is None              # the restored row names a deleted file: a miss
-    t.close()
-    t2 = disk()
-    t2.flush()
-    assert b"a" not in t2 and t2.get(b"b") == b"2" * 50_000
-    assert len(t2.policy) == 1
-    assert "dropped 1 index entries whose block files" in caplog.text
-    t2.put_now(b"a", b"4" * 50_000)
-    assert t2.get(b"a") == b"4" * 50_000
-
-
-def test_disk_tier_reads_with_o_direct_and_falls_back_where_refused(tmp_path, monkeypatch):
-    import errno
-    import os
-
-    from cachefs.tiers import disk as disk_mod
-
-    monkeypatch.setattr(disk_mod._BlockDisk, "direct", True)
-    opened, refuse = [], []
-    real_open = os.open
-
-    def spy(path, flags, *a, **k):
-        if str(path).endswith(".val") and not flags & (os.O_WRONLY | os.O_RDWR):
-            opened.append(bool(flags & os.O_DIRECT))
-            if refuse and flags & os.O_DIRECT:
-                raise OSError(errno.EINVAL, "Invalid argument")   # what a filesystem without it says
-        return real_open(path, flags, *a, **k)
-
-    monkeypatch.setattr(os, "open", spy)
-    data = bytes(range(256)) * 400 + b"tail"                 # not a multiple of 4096
-    t = DiskTier(str(tmp_path / "blocks"), 10 << 20)
-    t.put(b"k", data)
-    t.flush()
-    assert t.get(b"k") == data and opened == [True]
-    refuse.append(True)
-    opened.clear()
-    assert t.get(b"k") == data and t.get(b"k") == data
-    assert opened == [True, False, False]                     # tried once, then buffered
-    assert disk_mod._BlockDisk.direct is False
-    t.close()
+    data = bytes(range(256)) * 400 + b"tail"                  # not a multiple of 4096
+    put(t, 1, data, bs=1 << 20)
+    assert t._direct is True                                  # ext4 here; tmpfs would refuse
+    assert t.get((eid(1), 0)) == data
+    ram = MemoryTier(1 << 20)
+    assert ram._direct is False
+    ram.close()
 
 
 def test_a_failing_cache_disk_turns_the_tier_off_with_one_warning(disk, monkeypatch, caplog):
-    import errno
-    import logging
-
     from cachefs.tiers import disk as disk_mod
 
-    caplog.set_level(logging.WARNING)
-    t = disk()
-    t.put_now(b"before", b"x" * 5000)
-    calls = []
-
-    def full(*a, **k):
-        calls.append(1)
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    real_set = t._cache.set
-    t._cache.set = full
-    for i in range(disk_mod.SUSPEND_AFTER):
-        assert t.put_now(b"k%d" % i, b"y" * 5000) is False
-    assert t.suspended and len(calls) == disk_mod.SUSPEND_AFTER
-    assert t.put(b"later", b"z" * 5000) is False and t.put_now(b"later", b"z") is False
-    assert len(calls) == disk_mod.SUSPEND_AFTER                 # the disk is left alone now
-    assert t.get(b"before") is None and not t.has_room(10)       # reads too: a miss, no error
+    stats = Stats()
+    t = disk(stats=stats)
+    for n in range(10):
+        put(t, n, b"x" * 5000)
+    monkeypatch.setattr(t, "_open_write", lambda name: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space")))
+    with caplog.at_level(logging.WARNING):
+        for n in range(10, 30):
+            assert not put(t, n, b"y" * 5000)
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
-    assert len(warnings) == 1 and "NVMe tier off" in warnings[0].message
-    assert "No space left on device" in warnings[0].message
-    t._cache.set = real_set
-    t._suspended_until = 0                                      # SUSPEND_FOR later
-    assert t.put_now(b"again", b"w" * 5000) and t.get(b"again") == b"w" * 5000
-    assert "NVMe tier working again" in caplog.text
+    assert len(warnings) == 1 and "NVMe tier off" in warnings[0].getMessage()
+    assert t.suspended and t.get((eid(0), 0)) is None        # off: reads miss too
+    assert stats.get("disk.errors") == disk_mod.SUSPEND_AFTER and stats.get("disk.suspensions") == 1
+    t._suspended_until = 0                                    # SUSPEND_FOR later
+    monkeypatch.undo()
+    t.get((eid(0), 0))
+    assert put(t, 40, b"z" * 5000) and t.get((eid(40), 0)) == b"z" * 5000
 
 
 def test_a_vanished_cache_dir_is_a_pass_through_for_the_reader(tmp_path, caplog):
-    import logging
-    import shutil
-
     from cachefs.memsource import MemorySource
     from tests.helpers import make_core
 
@@ -386,44 +448,14 @@ def test_a_vanished_cache_dir_is_a_pass_through_for_the_reader(tmp_path, caplog)
     source = MemorySource()
     for i in range(30):
         source.add_file(f"/f{i}", bytes([i]) * 20_000)
-    tier = DiskTier(str(tmp_path / "blocks"), 10 << 20)
-    core = make_core(source, ram=20_000, disk=tier)              # RAM holds one file
+    tier = DiskTier(str(tmp_path / "store"), 10 << 20, scrub=False)
+    core = make_core(source, ram=20_480, disk=tier)          # RAM holds one file
     for i in range(30):
         core.read(f"/f{i}", 0, 20_000)
-    tier.flush()
-    shutil.rmtree(tmp_path / "blocks")                          # someone cleaned up /tmp
+    shutil.rmtree(tmp_path / "store")                         # someone cleaned up /tmp
     for _ in range(2):
         for i in range(30):
             assert core.read(f"/f{i}", 0, 20_000) == bytes([i]) * 20_000
-    assert tier.suspended and not (tmp_path / "blocks").exists()  # nothing written to a ghost
+    assert tier.suspended and not (tmp_path / "store").exists()  # nothing written to a ghost
     assert caplog.text.count("NVMe tier off") == 1 and "was removed" in caplog.text
     core.close()
-
-
-def test_a_removed_cache_dir_is_named_as_such_when_reads_fail_first(tmp_path, caplog):
-    """Reads of a removed cache dir may fail ("unable to open database file") before any
-    lookup finds a row without its file: the tier must still say the dir was removed and
-    stay off until the next mount, not take it for a disk error and retry in 60 s (the
-    mounted test flaked on exactly this under load)."""
-    import logging
-    import shutil
-    import sqlite3
-
-    caplog.set_level(logging.WARNING)
-    tier = DiskTier(str(tmp_path / "blocks"), 10 << 20)
-    tier.put_now(b"k", b"v" * 100)
-    shutil.rmtree(tmp_path / "blocks")
-
-    class Gone:
-        def get(self, *a, **k):
-            raise sqlite3.OperationalError("unable to open database file")
-
-    tier._cache, real = Gone(), tier._cache
-    try:
-        for _ in range(12):
-            assert tier.get(b"k") is None
-    finally:
-        tier._cache = real
-    assert tier.suspended and tier._suspended_until == float("inf")
-    assert "was removed" in caplog.text and "NVMe tier off for" not in caplog.text
-    tier.close()

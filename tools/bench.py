@@ -199,7 +199,7 @@ def _cache(args: argparse.Namespace, work: str) -> int:
                          extra=["--policy", policy, "--readahead", "off", "--min-free", "0"]):
                 pid = cachefs_stats(mp)["info"]["pid"]
                 epochs = []
-                with Sampler(pid, os.path.join(cache, "blocks"), du_every=1) as sampler:
+                with Sampler(pid, os.path.join(cache, "store"), du_every=1) as sampler:
                     for epoch in range(1, args.epochs + 1):
                         drop_caches()
                         before = read_stats(slow).get("bytes", 0)
@@ -212,7 +212,7 @@ def _cache(args: argparse.Namespace, work: str) -> int:
                               "samples": sampler.samples,
                               "ram": {k: s["ram"].get(k, 0) for k in ("hits", "evictions", "used_bytes")},
                               "disk": {k: s["disk"].get(k, 0) for k in
-                                       ("hits", "writes", "dropped_writes", "refused", "evictions", "used_bytes")}}
+                                       ("hits", "writes", "refused", "evictions", "used_bytes")}}
     print(f"\n{len(rel)} JPEGs, {format_size(total)}; NVMe tier {format_size(disk_budget)} "
           f"({args.disk_ratio:.0%} of the dataset), RAM tier {format_size(ram_budget)}; store "
           f"{args.latency}/request, {args.workers} workers, page cache dropped before each epoch")
@@ -227,7 +227,7 @@ def _cache(args: argparse.Namespace, work: str) -> int:
                   f"{cells[0]:>13}{cells[1]:>13}")
     for policy, x in report.items():
         d = x["disk"]
-        print(f"{policy:<8}NVMe: {d['writes']} writes, {d['dropped_writes']} dropped (writer queue full), "
+        print(f"{policy:<8}NVMe: {d['writes']} writes, "
               f"{d['refused']} refused by the policy, {d['evictions']} evictions; "
               f"RAM: {x['ram']['evictions']} evictions")
     print("\nbudgets (sampled 5 times a second, "

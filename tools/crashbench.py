@@ -22,19 +22,19 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cachefs.source import Attr
 from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.store import EntryInfo
 from tools.common import add_workspace_options, ensure_dataset, median, workspace, write_json
 from tools.mounts import cachefs_cli, cachefs_stats, is_mounted, unmount
 
 
 def fill(cache_dir: str, entries: int) -> float:
     start = time.monotonic()
-    tier = DiskTier(os.path.join(cache_dir, "blocks"), 1 << 40, min_free=0)
-    batch = 2000
-    for first in range(0, entries, batch):
-        with tier._cache.transact(retry=True):
-            for _ in range(first, min(entries, first + batch)):
-                tier.put_now(os.urandom(24), os.urandom(1024))
+    tier = DiskTier(os.path.join(cache_dir, "store"), 1 << 40, min_free=0, scrub=False)
+    for n in range(entries):  # files of another source: the mount's own files are not among them
+        eid = os.urandom(16)
+        tier.put((eid, 0), os.urandom(1024), EntryInfo(f"/other/{n}", Attr(0o100644, 1, 0, 0, 1024, 0, 0, 0), 1 << 20))
     tier.close()
     return time.monotonic() - start
 

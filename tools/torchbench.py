@@ -195,7 +195,7 @@ def hint_case(args: argparse.Namespace, case: str, work: str, data: str, total: 
                         cachefs_cli("warm", mp, check=True, timeout=3600)
                     with Sampler(pid, None) as sampler:
                         for e in range(1, args.epochs + 1):
-                            evict_data(mp, os.path.join(cache, "blocks"))
+                            evict_data(mp, os.path.join(cache, "store"))
                             before = cachefs_stats(mp)
                             r = epoch(mp, rep * 100 + e, args.workers, args.batch_size, args.transform,
                                       hinted=mode == "hinted")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
+
+import xxhash
 
 
 class FileId(NamedTuple):
@@ -37,14 +40,21 @@ def block_extent(index: int, size: int, block_size: int) -> tuple[int, int]:
     return start, max(0, min(block_size, size - start))
 
 
-def block_key(namespace: bytes, fid: FileId, index: int, block_size: int) -> bytes:
-    """The cache key of one block.
+@functools.lru_cache(maxsize=1 << 16)
+def entry_id(namespace: bytes, fid: FileId, block_size: int) -> bytes:
+    """The 16-byte id of one cached file version: the xxh3_128 of its key.
 
-    It carries the source namespace (one per source directory, so two sources can share a
-    cache dir), the file's identity and the block size (a remount with another block size
-    must not read blocks of the old geometry). Paths are bytes-safe: undecodable names were
-    decoded with surrogateescape and are encoded back the same way.
+    The key carries the source namespace (one per source directory, so two sources can
+    share a cache dir), the file's identity, and the block size (a remount with another
+    block size must not read blocks of the old geometry). Paths are bytes-safe: undecodable
+    names were decoded with surrogateescape and are encoded back the same way. The id
+    names the entry's file in a tier, so it is also the on-disk name.
     """
     path = fid.path.encode("utf-8", "surrogateescape")
-    return b"%s\0%s\0%d\0%d\0%d\0%d\0%d" % (namespace, path, fid.size, fid.mtime_ns, fid.ctime_ns,
-                                              block_size, index)
+    key = b"%s\0%s\0%d\0%d\0%d\0%d" % (namespace, path, fid.size, fid.mtime_ns, fid.ctime_ns, block_size)
+    return xxhash.xxh3_128_digest(key)
+
+
+def block_key(namespace: bytes, fid: FileId, index: int, block_size: int) -> tuple[bytes, int]:
+    """The cache key of one block: (entry id, block index)."""
+    return entry_id(namespace, fid, block_size), index

@@ -274,7 +274,7 @@ def format_stats(snap: dict[str, Any]) -> str:
         f"ram        {g(ram, 'evictions')} evictions, {g(ram, 'refused')} refused (policy), "
         f"{g(ram, 'promotions')} promotions from disk",
         f"disk       {g(disk, 'writes')} writes, {g(disk, 'evictions')} evictions, "
-        f"{g(disk, 'refused')} refused (policy), {g(disk, 'dropped_writes')} dropped (queue full), "
+        f"{g(disk, 'refused')} refused (policy), "
         f"{g(disk, 'checksum_failures')} checksum failures, {g(disk, 'errors')} errors",
         f"requests   {g(fuse, 'read')} reads, {g(fuse, 'getattr')} getattrs, {g(fuse, 'readdir')} readdirs, "
         f"{g(fuse, 'open')} opens reached the daemon",

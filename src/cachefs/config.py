@@ -97,10 +97,6 @@ DEFAULT_MAX_IDLE = 24 * 3600.0
 DEFAULT_MIN_FREE_FRACTION = 0.05
 DEFAULT_MIN_FREE_MAX = 10 * GiB
 
-# Bytes of finished blocks that may wait for the background NVMe writer. A full queue
-# drops the write (the block stays in RAM): a miss never waits for the cache disk.
-DISK_WRITE_QUEUE_BYTES = 16 * MiB
-
 # malloc arenas for the daemon's ~40 threads. glibc's default (8 per core) lets each thread
 # keep freed blocks in an arena of its own, and RSS then drifts far above the RAM budget.
 MALLOC_ARENAS = 2

@@ -17,6 +17,7 @@ import errno
 import functools
 import hashlib
 import logging
+import os
 import stat as stat_mod
 import threading
 import time
@@ -47,6 +48,7 @@ from cachefs.readahead import DirectoryCursor, SequentialReadahead, StreamTable
 from cachefs.source import Attr, DirEntry, Source
 from cachefs.stats import Stats
 from cachefs.tiers.multilevel import MultiLevelCache
+from cachefs.tiers.store import BlockKey, EntryInfo
 
 if TYPE_CHECKING:
     from cachefs.warm import WarmJob
@@ -161,7 +163,7 @@ class Core:
         self._streams = StreamTable(lambda: SequentialReadahead(block_size, maximum=max_blocks))
         self._streams_lock = threading.Lock()
         # Blocks fetched ahead and not yet read by anyone: the prefetch accuracy counters.
-        self._ahead: set[bytes] = set()
+        self._ahead: set[BlockKey] = set()
         self._ahead_lock = threading.Lock()
         cache.ram.on_evict = self._on_ram_evict
         stats.gauge("prefetch.unused", lambda: len(self._ahead))
@@ -182,7 +184,7 @@ class Core:
         self._changing: dict[str, bool] = {}  # path -> kernel already told to drop it
         self._reading: dict[str, int] = {}  # path -> reads in progress (see wait_reads_done)
         self._reading_cond = threading.Condition()
-        self._inflight: dict[bytes, Future] = {}
+        self._inflight: dict[BlockKey, Future] = {}
         self._inflight_lock = threading.Lock()
         # Around anything that may wait on the source: the FUSE session sets it so that
         # another thread takes requests meanwhile (cachefs.fuse.session.Session.blocking).
@@ -287,6 +289,15 @@ class Core:
         with self._reading_cond:
             return self._reading_cond.wait_for(lambda: not self._reading.get(path), timeout)
 
+    def entry_info(self, fid: FileId) -> EntryInfo:
+        """What a tier records with a cached file version: its path and attributes (kept so
+        that a remounted cache answers lookups without asking the source)."""
+        attr = self._attrs.get_stale(fid.path)
+        if not isinstance(attr, Attr) or (attr.size, attr.mtime_ns, attr.ctime_ns) != fid[1:]:
+            attr = Attr(stat_mod.S_IFREG | 0o444, 1, os.getuid(), os.getgid(), fid.size, fid.mtime_ns,
+                        fid.mtime_ns, fid.ctime_ns, (fid.size + 511) // 512)
+        return EntryInfo(fid.path, attr, self.block_size)
+
     def file_id(self, path: str) -> FileId:
         attr = self.getattr(path)
         if attr.is_dir:
@@ -376,7 +387,7 @@ class Core:
             raise OSError(errno.ETIMEDOUT, f"source did not answer within {self.source_timeout:g}s "
                           "(waiting for another reader's fetch)") from None
 
-    def _claim(self, key: bytes) -> tuple[Future, bool]:
+    def _claim(self, key: BlockKey) -> tuple[Future, bool]:
         """The in-flight fetch of `key`, and whether the caller now owns (must run) it."""
         with self._inflight_lock:
             pending = self._inflight.get(key)
@@ -385,7 +396,7 @@ class Core:
             pending = self._inflight[key] = Future()
             return pending, True
 
-    def _run_owned(self, key: bytes, pending: Future, fetch: Callable[[], tuple[bytes, str]]) -> tuple[bytes, str]:
+    def _run_owned(self, key: BlockKey, pending: Future, fetch: Callable[[], tuple[bytes, str]]) -> tuple[bytes, str]:
         """Run the fetch this thread owns and hand its result (or error) to every waiter."""
         try:
             result = fetch()
@@ -398,7 +409,7 @@ class Core:
             with self._inflight_lock:
                 del self._inflight[key]
 
-    def _fetch(self, key: bytes, fid: FileId, index: int) -> tuple[bytes, str]:
+    def _fetch(self, key: BlockKey, fid: FileId, index: int) -> tuple[bytes, str]:
         # Again under ownership: the previous owner may have finished between our RAM
         # miss and taking the key, and its NVMe write may still be queued.
         data = self.cache.ram.peek(key)
@@ -408,7 +419,7 @@ class Core:
         if data is not None:
             return data, "disk"
         data = self._fetch_source(fid, index)
-        self.cache.put(key, data)
+        self.cache.put(key, data, self.entry_info(fid))
         return data, "source"
 
     def _version_gone(self, fid: FileId) -> None:
@@ -474,7 +485,7 @@ class Core:
             # counts a use; unmarked if no tier took it (waiters only wake after this).
             with self._ahead_lock:
                 self._ahead.add(key)
-            admitted = self.cache.put(key, data, evict=False)
+            admitted = self.cache.put(key, data, self.entry_info(fid), evict=False)
             if not admitted:
                 with self._ahead_lock:
                     self._ahead.discard(key)
@@ -516,8 +527,8 @@ class Core:
             if data is None:
                 data, tier = self._fetch_source(fid, index), "source"
                 if disk is not None:
-                    disk.put(key, data)  # as the demand miss it stands for
-            pinned = ram.put_pinned(key, data, pin_limit)  # before any waiter wakes
+                    disk.put(key, data, self.entry_info(fid))  # as the demand miss it stands for
+            pinned = ram.put_pinned(key, data, self.entry_info(fid), pin_limit)  # before any waiter wakes
             return data, tier
 
         _, tier = self._run_owned(key, pending, fetch)
@@ -557,13 +568,13 @@ class Core:
         if self.prefetcher is not None:
             self.prefetcher.remove_feeder(job)
 
-    def _note_used(self, key: bytes) -> None:
+    def _note_used(self, key: BlockKey) -> None:
         with self._ahead_lock:
             if key in self._ahead:
                 self._ahead.discard(key)
                 self.stats.incr("prefetch.used")
 
-    def _on_ram_evict(self, key: bytes) -> None:
+    def _on_ram_evict(self, key: BlockKey) -> None:
         if key in self._ahead and (self.cache.disk is None or not self.cache.disk.probably_has(key)):
             with self._ahead_lock:
                 self._ahead.discard(key)

@@ -22,10 +22,6 @@ class SourceChanged(OSError):
         super().__init__(errno.ESTALE, "source file changed while cached", path)
 
 
-class ChecksumError(Exception):
-    """A cached block failed its header or checksum verification."""
-
-
 def to_errno(exc: BaseException) -> int:
     """Map any exception to the positive errno a FUSE reply should carry.
 

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from cachefs.blocks import FileId, block_extent, block_key
+from cachefs.tiers.store import BlockKey, allocated
 
 if TYPE_CHECKING:
     from cachefs.core import Core
@@ -81,7 +82,7 @@ class HintSession:
         self.queue: deque[tuple[int, str]] = deque()  # (position, path) not fetched yet
         self.received = 0  # positions given out so far
         self.yielded = 0  # samples the job's sampler has handed out
-        self.holds: dict[bytes, tuple[int, int]] = {}  # key -> (position, size): pinned for us
+        self.holds: dict[BlockKey, tuple[int, int]] = {}  # key -> (position, size): pinned for us
         self.pinned = 0  # bytes
         self.reserved = 0  # bytes being fetched for this session
         self.closed = False
@@ -97,10 +98,10 @@ class HintBoard:
         self.limit = int(self._ram.capacity * share)
         self._lock = threading.Lock()
         self._sessions: dict[int, HintSession] = {}
-        self._holders: dict[bytes, list[HintSession]] = {}  # key -> sessions holding a pin
+        self._holders: dict[BlockKey, list[HintSession]] = {}  # key -> sessions holding a pin
         self._ids = itertools.count(1)
         self._turn = 0
-        self._fetching: dict[bytes, bool] = {}  # key being fetched -> a job read it meanwhile
+        self._fetching: dict[BlockKey, bool] = {}  # key being fetched -> a job read it meanwhile
         # Read by Core on every block read: True while any pin is held by any session.
         self.holding = False
         stats = core.stats
@@ -124,7 +125,7 @@ class HintBoard:
     def add(self, session: HintSession, paths: Iterable[str], yielded: int) -> None:
         """The job's next paths, in read order, and how far its sampler has got."""
         paths = list(paths)
-        released: list[bytes] = []
+        released: list[BlockKey] = []
         with self._lock:
             if session.closed:
                 return
@@ -159,7 +160,7 @@ class HintBoard:
             self._core.stats.incr("hint.expired", unread)
         self._wake()
 
-    def _release(self, session: HintSession, key: bytes) -> None:
+    def _release(self, session: HintSession, key: BlockKey) -> None:
         """Drop one session's pin of `key` (lock held)."""
         _, size = session.holds.pop(key)
         session.pinned -= size
@@ -178,7 +179,7 @@ class HintBoard:
 
     # -- the read path -----------------------------------------------------------------
 
-    def on_read(self, key: bytes) -> None:
+    def on_read(self, key: BlockKey) -> None:
         """A job read `key`: one session's pin of it is used up (the one hinted earliest)."""
         with self._lock:
             holders = self._holders.get(key)
@@ -255,23 +256,24 @@ class HintBoard:
         core = self._core
         key = block_key(core.namespace, fid, index, core.block_size)
         _, length = block_extent(index, fid.size, core.block_size)
+        size = allocated(length)  # what it takes in RAM (whole pages), as the tier counts it
         with self._lock:
             if session.closed or key in session.holds:
                 return True
             # Bytes in flight are reserved, so that concurrent fetches (one per pool
             # thread) never take the session past its budget, nor RAM past the pin limit.
-            if session.pinned + session.reserved + length > self.budget() and session.pinned + session.reserved > 0:
+            if session.pinned + session.reserved + size > self.budget() and session.pinned + session.reserved > 0:
                 session.full = True  # until the job reads one of its blocks
                 core.stats.incr("hint.window_full")
                 return False
-            session.reserved += length
+            session.reserved += size
             self._fetching.setdefault(key, False)
         read_meanwhile = False
         try:
             outcome = core.fetch_pinned(fid, index, self.limit)
         finally:
             with self._lock:
-                session.reserved -= length
+                session.reserved -= size
                 read_meanwhile = bool(self._fetching.pop(key, False))
         if outcome in ("inflight", "on_disk"):
             if outcome == "on_disk":
@@ -289,8 +291,8 @@ class HintBoard:
                 if read_meanwhile:
                     core.stats.incr("hint.used")
                 return True
-            session.holds[key] = (position, length)
-            session.pinned += length
+            session.holds[key] = (position, size)
+            session.pinned += size
             self._holders.setdefault(key, []).append(session)
             self.holding = True
         core.stats.add_many({f"hint.from_{outcome}": 1, "hint.bytes": length})

@@ -361,7 +361,8 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
     stats.set_info(policy=policies, max_idle_s=config.max_idle, min_free=config.min_free)
     max_idle = config.max_idle or None
     ram = MemoryTier(config.ram_size, stats, policy=policies["ram"], max_idle=max_idle)
-    disk = (DiskTier(os.path.join(config.cache_dir, "blocks"), config.disk_size, stats,
+    _drop_old_format(config.cache_dir)
+    disk = (DiskTier(os.path.join(config.cache_dir, STORE_DIR), config.disk_size, stats,
                      policy=policies["disk"], max_idle=max_idle, min_free=config.min_free or 0)
             if config.disk_size else None)
     cache = MultiLevelCache(ram, disk, stats)
@@ -374,6 +375,19 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
     if prefetcher is not None:
         prefetcher.start()
     return core
+
+
+STORE_DIR = "store"  # the NVMe tier under the cache dir; "blocks" held the diskcache format
+
+
+def _drop_old_format(cache_dir: str) -> None:
+    """Remove an NVMe tier of the older format (diskcache, until version 0.1): its blocks
+    cannot be passed through, and nothing reads them any more."""
+    old = os.path.join(cache_dir, "blocks")
+    if os.path.isfile(os.path.join(old, "cache.db")):
+        shutil.rmtree(old, ignore_errors=True)
+        log.warning("removed the NVMe tier of an older cachefs in %s (a format this version does not read); "
+                    "its files will be fetched again", old)
 
 
 def control_handlers(core) -> dict:  # type: ignore[no-untyped-def]

@@ -39,8 +39,9 @@ FUSE_OPS = ("lookup", "forget", "batch_forget", "getattr", "readlink", "open", "
             "interrupt", "other")
 COUNTERS: tuple[str, ...] = (
     "ram.hits", "ram.misses", "ram.served_bytes", "ram.evictions", "ram.promotions", "ram.refused", "ram.no_room",
+    "ram.writes", "ram.written_bytes", "ram.checksum_failures",
     "disk.hits", "disk.misses", "disk.served_bytes", "disk.evictions", "disk.writes", "disk.written_bytes",
-    "disk.dropped_writes", "disk.refused", "disk.no_room", "disk.checksum_failures", "disk.errors",
+    "disk.refused", "disk.no_room", "disk.checksum_failures", "disk.errors", "disk.scrubbed_bytes",
     "disk.suspensions", "disk.suspended_writes",
     "source.served_bytes", "source.bytes", "source.errors", "source.changed", "source.timeouts",
     "source.down_events", "source.fast_failures",
@@ -55,8 +56,8 @@ COUNTERS: tuple[str, ...] = (
     "hint.used", "hint.expired", "hint.skipped", "hint.window_full", "hint.errors", "hint.left_on_disk",
 )
 GAUGES: tuple[str, ...] = (
-    "ram.used_bytes", "ram.capacity_bytes", "ram.entries",
-    "disk.used_bytes", "disk.capacity_bytes", "disk.entries", "disk.queued_bytes", "disk.suspended",
+    "ram.used_bytes", "ram.capacity_bytes", "ram.entries", "ram.files",
+    "disk.used_bytes", "disk.capacity_bytes", "disk.entries", "disk.files", "disk.suspended",
     "source.down", "metadata.entries", "prefetch.queued", "prefetch.unused",
     "hint.sessions", "hint.pinned_bytes", "hint.queued",
 )

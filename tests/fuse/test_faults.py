@@ -14,7 +14,6 @@ import time
 import pytest
 
 from cachefs.config import DEFAULT_BLOCK_SIZE
-from cachefs.tiers.disk import WRITE_BATCH
 from tests.helpers import cli, stats
 from tools.slowfs import read_stats as slowfs_stats
 from tools.slowfs import reset_stats as slowfs_reset
@@ -148,9 +147,9 @@ def _reader(paths, expected, seen, wrong, stop):
 
 
 def test_kill_9_during_heavy_cache_writes_serves_no_partial_block_after_remount(tmp_path, mounts, fault_report):
-    """Issue 7, item 5: readers and the NVMe writer are busy when the daemon is killed; the
-    next mount clears the stale mount, serves what was committed from the cache, and every
-    byte read before and after the crash is the source's."""
+    """Readers are filling the NVMe tier when the daemon is killed; the next mount clears
+    the stale mount, serves what was recorded from the cache (each block checked against its
+    hash first), and every byte read before and after the crash is the source's."""
     src = tmp_path / "src"
     src.mkdir()
     rng = random.Random(7)
@@ -169,9 +168,9 @@ def test_kill_9_during_heavy_cache_writes_serves_no_partial_block_after_remount(
     for t in readers:
         t.start()
     try:
-        # a few batches committed, more on the way (the writer commits WRITE_BATCH at a time)
+        # a good part written, more on the way
         deadline = time.monotonic() + 60
-        while (s := stats(mp))["disk"].get("writes", 0) < 3 * WRITE_BATCH:
+        while (s := stats(mp))["disk"].get("writes", 0) < 96:
             assert time.monotonic() < deadline, "the NVMe writer never got going"
             time.sleep(0.02)
         written = s["disk"]["writes"]
@@ -195,10 +194,10 @@ def test_kill_9_during_heavy_cache_writes_serves_no_partial_block_after_remount(
     s = stats(mp)
     assert s["disk"].get("checksum_failures", 0) == 0   # no torn block was ever indexed
     hits = s["disk"].get("hits", 0)
-    assert hits > 0 and hits >= written - WRITE_BATCH    # what was committed is served from it
+    assert hits > 0 and hits >= written - 32            # what was recorded (all but blocks in flight)
     fetched = slowfs_stats(str(slow)).get("read", 0)
     assert fetched <= total_blocks - hits
-    fault_report(f"kill -9 with 6 readers and the NVMe writer busy ({written}+ of {total_blocks} blocks written)",
+    fault_report(f"kill -9 with 6 readers filling the NVMe tier ({written}+ of {total_blocks} blocks written)",
                  f"{len(seen)} reads before: all exact; remount {took:.1f} s, cleared the stale mount; "
                  f"all {len(expected)} files exact",
                  f"disk.checksum_failures=0, disk.hits={hits}, source reads {fetched} (= the rest)")

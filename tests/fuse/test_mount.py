@@ -384,7 +384,7 @@ def test_a_relative_cache_dir_is_the_callers_and_is_created(tmp_path, mounts):
     mounts.points.append(tmp_path / "mnt")
     assert proc.returncode == 0, proc.stderr
     assert stats(tmp_path / "mnt")["info"]["cache_dir"] == str(tmp_path / "rel" / "new" / "cache")
-    assert (tmp_path / "rel" / "new" / "cache" / "blocks").is_dir()
+    assert (tmp_path / "rel" / "new" / "cache" / "store").is_dir()
     assert (tmp_path / "mnt" / "f").read_text() == "x"
 
 
@@ -514,7 +514,7 @@ def test_corrupted_cache_block_is_detected_and_refetched(tmp_path, mounts, fault
     mp = mounts.cachefs(str(src), cache_dir=cache)
     assert (mp / "f").read_bytes() == data
     mounts.unmount(mp)
-    vals = [os.path.join(d, f) for d, _, fs in os.walk(cache) for f in fs if f.endswith(".val")]
+    vals = [os.path.join(d, f) for d, _, fs in os.walk(cache / "store" / "data") for f in fs]
     assert len(vals) == 1
     with open(vals[0], "r+b") as f:
         f.seek(1000)

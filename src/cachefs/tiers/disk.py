@@ -1,360 +1,182 @@
-"""The NVMe tier: checksummed blocks in a diskcache.Cache under the cache dir, kept or
-evicted by a Policy (cachefs/policy.py), under two hard limits: --disk-size and --min-free.
+"""The NVMe tier: entry files under CACHE_DIR/store/data and an append-only index
+(cachefs/tiers/index.py), within two hard limits: --disk-size and --min-free.
 
-Each value is `checksum.encode_block(key, data)`, stored under the 16-byte xxh3_128 of the
-cache key; a get verifies the header (which holds the xxh3_64 of the full key) and treats
-any failure (bad header, bad checksum, I/O error, SQLite error) as a counted miss,
-deleting the entry.
+Why not diskcache any more: a block stored through diskcache (a SQLite row, a value file
+with cachefs's header) cost 0.29 ms of CPU; a plain file plus an index line with its xxh3
+costs 0.10-0.12 ms (tools/storebench.py, docs/benchmarks.md), and a cold epoch's budget
+is 0.3 ms per file in all. And the kernel can pass reads through to a plain file, never
+to a value file with a header.
 
-Writes go through one background thread with a byte-bounded queue: a read that missed
-returns as soon as the source answered, never after a write to the cache disk, and a full
-queue drops the write (the block is still in RAM). That writer is the only thing that
-grows the cache, which is what makes the budget exact: the policy admits a block only
-within `limit`, and `limit` is re-measured from diskcache's own account of its volume
-(database pages plus value files) and from statvfs of the cache disk whenever the tier
-comes within EXACT_MARGIN of either limit, and at least every EXACT_EVERY writes.
-
-The policy's bookkeeping is also the in-memory index: a miss is a dict lookup, not a
-SQLite query. It is rebuilt from the database at start (oldest first) by the writer
-thread before its first write; until then lookups ask diskcache.
+Guarantees:
+  - a block is recorded in the index only after its bytes are written, and every block
+    carries its xxh3: after each start it is checked once before it is first served (a
+    crash can leave a file empty on ext4), and a background scrub checks them all again,
+    slowly, forever;
+  - an entry's removal is recorded before its file changes: a crash leaves at worst a
+    file without a record, which the next start deletes;
+  - a damaged index line, or an index that cannot be read at all, costs the blocks it
+    described, never the mount: what does not verify is set aside (logged once) and
+    fetched again;
+  - everything under the tier's directory (files in 4 KiB blocks, directories, the index)
+    stays within --disk-size, and the cache disk keeps --min-free free: the policy admits
+    a block only within a limit re-measured whenever a write comes near it;
+  - after 8 cache-disk failures in a row the tier turns itself off for 60 s (reads miss,
+    writes are skipped); a removed cache dir turns it off until the next mount.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import errno
-import io
 import logging
 import os
-import queue
-import shutil
 import threading
 import time
 
-import diskcache
-import xxhash
-
-from cachefs.checksum import HEADER_SIZE, decode_block, encode_block
-from cachefs.config import DISK_WRITE_QUEUE_BYTES, format_size
-from cachefs.directio import read_file
-from cachefs.errors import ChecksumError
-from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
+from cachefs.config import format_size
+from cachefs.directio import pread, pread_direct
+from cachefs.policy import DEFAULT_POLICY, Policy
 from cachefs.stats import Stats
+from cachefs.tiers import index
+from cachefs.tiers.store import (
+    BlockKey,
+    Entry,
+    EntryInfo,
+    FileStore,
+    allocated,
+    block_hash,
+)
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
-WRITER_NICE = 10
-WRITE_BATCH = 32        # blocks per SQLite transaction
+SUSPEND_AFTER = 8       # cache-disk failures in a row that turn the tier off ...
+SUSPEND_FOR = 60.0      # ... for this many seconds
 EXACT_MARGIN = 8 << 20  # bytes: closer than this to a limit, every write re-measures
-EXACT_EVERY = 64        # and at least every this many writes
-DB_SLACK = 64 << 10     # room kept for the database's growth between two measurements,
-SLACK_SHARE = 0.0025    # plus this share of the budget (a reading of the tier's size while
-                        # the writer replaces files can count one twice)
-WAL_PAGES = 32          # SQLite checkpoints its write-ahead log at this many pages
-WAL_RESERVE = (WAL_PAGES + 32) * 4096  # the log's largest size: a checkpoint's worth plus a batch
+EXACT_EVERY = 256       # and at least every this many writes
+DIR_BYTES = 4096        # a directory, until its entries outgrow one block
+DIR_ENTRY_BYTES = 56    # an ext4 directory entry for a 32-character name, rounded up
+INDEX_MIN = 64 << 10    # the index is compacted when it outgrows max(INDEX_MIN, 2 x its live part)
+SCRUB_RATE = 64 << 20   # bytes a second the scrub reads while it checks blocks after a crash
+SCRUB_IDLE_RATE = 4 << 20  # and then, going round the whole tier for bit rot
+WRITER_NICE = 19        # the scrub's nice value
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 
-def _allocated(size: int) -> int:
-    """Bytes a file of `size` bytes takes on a filesystem with 4 KiB blocks."""
-    return -(-size // 4096) * 4096
+def syncfs(path: str) -> None:
+    """Write back everything cached for the filesystem holding `path`."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        if _libc.syncfs(fd) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+    finally:
+        os.close(fd)
 
 
-def disk_key(key: bytes) -> bytes:
-    """The diskcache key of a cache key: 16 bytes, so the index costs little memory."""
-    return xxhash.xxh3_128_digest(key)
-
-
-class _BlockDisk(diskcache.Disk):
-    """diskcache's Disk, writing a value in one write() call into one of SUBDIRS directories.
-
-    Stock diskcache iterates an io.BytesIO, which yields *lines*: a block of random bytes
-    became ~400 write() calls per 110 KB under the GIL, and the background writer then
-    slowed the reads it was caching (a cold epoch took 1.6x longer with the NVMe tier on).
-    It also spreads files over up to 65536 two-level directories, 4 KiB each, that no
-    budget counted (measured: 4.5 MiB of directories for 1000 blocks); cachefs uses 16,
-    created once.
-    """
-
-    def filename(self, key=diskcache.UNKNOWN, value=diskcache.UNKNOWN):  # type: ignore[no-untyped-def]
-        name = os.urandom(16).hex()
-        filename = os.path.join(name[0], name[1:] + ".val")
-        return filename, os.path.join(self._directory, filename)
-
-    direct = hasattr(os, "O_DIRECT")  # per class: one cache dir per daemon
-
-    def fetch(self, mode, filename, value, read):  # type: ignore[no-untyped-def]
-        """A value file read with O_DIRECT (see cachefs/directio.py), buffered where the
-        cache dir's filesystem refuses it."""
-        if mode != diskcache.core.MODE_BINARY or read or not filename:
-            return super().fetch(mode, filename, value, read)
-        path = os.path.join(self._directory, filename)
-        if _BlockDisk.direct:
-            try:
-                return read_file(path, direct=True)
-            except OSError as exc:
-                if exc.errno != errno.EINVAL:
-                    raise
-                _BlockDisk.direct = False
-                log.info("cache dir does not support O_DIRECT (%s); using buffered reads", exc)
-        return read_file(path, direct=False)
-
-    def _write(self, full_path, iterator, mode, encoding=None):  # type: ignore[no-untyped-def]
-        if not isinstance(iterator, io.BytesIO):
-            return super()._write(full_path, iterator, mode, encoding)
-        data = iterator.getvalue()
-        try:
-            fd = os.open(full_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(full_path), mode=0o700, exist_ok=True)
-            fd = os.open(full_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        finally:
-            os.close(fd)
-        return len(data)
-
-
-class _PerOSThread:
-    """What diskcache keeps per thread (its SQLite connection), kept per OS thread instead.
-
-    diskcache stores its connection in a threading.local. A libfuse worker thread enters
-    Python through ctypes with a fresh thread state for each request, so every NVMe lookup
-    from a FUSE thread opened a new SQLite connection (measured: 452 in one run of
-    tests/fuse/test_concurrency.py) and the old ones lingered until garbage collection:
-    descriptors grew past the number of threads. Keyed by threading.get_ident() (the
-    pthread, which is also what sqlite3's same-thread check compares), one connection
-    serves a thread for its life.
-    """
-
-    def __init__(self) -> None:
-        object.__setattr__(self, "_slots", {})
-
-    def _mine(self) -> dict:
-        slots = object.__getattribute__(self, "_slots")
-        return slots.setdefault(threading.get_ident(), {})
-
-    def __getattr__(self, name: str) -> object:
-        try:
-            return self._mine()[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def __setattr__(self, name: str, value: object) -> None:
-        self._mine()[name] = value
-
-    def __delattr__(self, name: str) -> None:
-        try:
-            del self._mine()[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def connections(self) -> list:
-        slots = object.__getattribute__(self, "_slots")
-        return [d["con"] for d in list(slots.values()) if d.get("con") is not None]
-
-    def clear(self) -> None:
-        object.__getattribute__(self, "_slots").clear()
-
-
-# Consecutive cache-disk I/O failures (reads or writes: ENOSPC, EROFS, EIO, a vanished
-# cache dir) after which the tier stops touching the disk for SUSPEND_FOR seconds: cachefs
-# then runs on RAM and the source, with one warning instead of one per block.
-SUSPEND_AFTER = 8
-SUSPEND_FOR = 60.0
-
-SUBDIRS = 16
-ORPHAN_AGE = 60.0  # seconds: an unindexed value file older than this is an orphan
-DIR_ENTRY_BYTES = 48  # an ext4 directory entry for a 31-character name, rounded up
-
-
-class DiskTier:
+class DiskTier(FileStore):
     name = "disk"
 
     def __init__(self, directory: str, capacity: int, stats: Stats | None = None,
-                 queue_bytes: int = DISK_WRITE_QUEUE_BYTES, policy: str | Policy = DEFAULT_POLICY,
-                 max_idle: float | None = None, min_free: int = 0):
-        self._dir = directory
-        self._capacity = int(capacity)
-        self._min_free = int(min_free)
-        self._stats = stats or Stats()
+                 policy: str | Policy = DEFAULT_POLICY, max_idle: float | None = None, min_free: int = 0,
+                 scrub: bool = True):
         os.makedirs(directory, mode=0o700, exist_ok=True)
         os.chmod(directory, 0o700)
-        self._cache = diskcache.Cache(
-            directory,
-            size_limit=1 << 62,
-            eviction_policy="none",  # the policy chooses victims; diskcache never culls
-            cull_limit=0,
-            statistics=False,
-            disk=_BlockDisk,
-            # Every block in its own file, and a small write-ahead log: the database then
-            # holds only rows, and what it adds to the tier's footprint stays small and
-            # measurable (the budget counts the log and its index too, see _volume).
-            disk_min_file_size=0,
-            sqlite_wal_autocheckpoint=WAL_PAGES,
-            sqlite_journal_size_limit=WAL_PAGES * 4096,
-        )
-        self._cache.close()  # the constructing thread's connection, from the threading.local
-        self._connections = _PerOSThread()
-        self._cache._local = self._connections
-        self.policy = policy if isinstance(policy, Policy) else make_policy(policy, self._capacity, max_idle)
-        self.policy.capacity = 0  # nothing is admitted before the limits are measured
-        self._plock = threading.Lock()  # the policy: FUSE threads record hits, the writer admits
-        self._queue: queue.Queue = queue.Queue()
-        self._queued_bytes = 0
-        self._queue_limit = queue_bytes
-        self._qlock = threading.Lock()
-        self._qroom = threading.Condition(self._qlock)
-        # Keys admitted by the writer whose rows are not committed yet: another thread's
-        # lookup misses them, and must not take that for "deleted behind our back".
-        self._pending: set[bytes] = set()
-        self._in_batch = False
-        self._since_exact = 0
-        self._entries_high = 0
-        self._dirs_at_start = 0
-        self._free_estimate = 0  # bytes free on the cache disk, minus what we wrote since measuring
-        self._index_ready = threading.Event()
-        self._started = threading.Event()  # the writer has loaded the index (or given up)
-        self._measured_at = 0.0
-        self._failures = 0  # cache-disk I/O failures in a row
-        self.read_latency = 0.0  # seconds, moving average of a block read that hit
+        super().__init__(directory, capacity, stats, policy, max_idle, direct=True)
+        self._min_free = int(min_free)
+        self._index = os.path.join(directory, index.NAME)
+        self._log_lock = threading.Lock()
+        self._log_fd = -1
+        self._log_bytes = 0          # the index file's size
+        self._live_bytes = 0         # of it, lines that still describe something (estimate)
+        self._paths: dict[str, bytes] = {}  # source path -> id of its newest entry
+        self._failures = 0
         self._suspended_until = 0.0  # monotonic; the tier is off until then
-        self._stats.gauge("disk.suspended", lambda: int(self.suspended))
-        self._writer = threading.Thread(target=self._write_loop, name="cachefs-disk-writer", daemon=True)
-        self._writer.start()
-        self._stats.gauge("disk.used_bytes", self._volume)
-        self._stats.gauge("disk.capacity_bytes", lambda: self._capacity)
-        self._stats.gauge("disk.entries", lambda: len(self.policy))
-        self._stats.gauge("disk.queued_bytes", lambda: self._queued_bytes)
+        self._since_exact = 0
+        self._measured_at = 0.0
+        self._entries_high = 0
+        self._free_estimate = 0
+        self._stop = threading.Event()
+        s = self._stats
+        s.gauge("disk.suspended", lambda: int(self.suspended))
+        s.gauge("disk.used_bytes", self._volume)
+        s.gauge("disk.capacity_bytes", lambda: self._capacity)
+        s.gauge("disk.entries", lambda: len(self.policy))
+        s.gauge("disk.files", lambda: len(self._entries))
+        self.policy.capacity = 1 << 62  # restored as found; _refresh_limits trims
+        self._load()
+        self._refresh_limits(force=True)
+        self._scrubber: threading.Thread | None = None
+        if scrub:
+            self._scrubber = threading.Thread(target=self._scrub_loop, name="cachefs-scrub", daemon=True)
+            self._scrubber.start()
 
-    @property
-    def directory(self) -> str:
-        return self._dir
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    @property
-    def used_bytes(self) -> int:
-        return self._volume()
+    # -- the budget ---------------------------------------------------------------------
 
     def _volume(self) -> int:
-        """Everything the tier occupies on the cache disk: value files (counted in whole
-        4 KiB filesystem blocks, as the policy counts them), their directories, database
-        pages, and SQLite's write-ahead log and its shared-memory index."""
-        return (self.policy.used + self._dir_bytes() + self._db_bytes() + self._file_size("-wal")
-                + self._file_size("-shm"))
+        """Everything the tier occupies: block files in 4 KiB blocks (as the policy counts
+        them), the directories, and the index."""
+        return self.policy.used + self._dir_bytes() + self._log_bytes
 
     def _dir_bytes(self) -> int:
-        """The value directories: never shrunk by the filesystem, so counted at their high
-        water mark (measured at start, then estimated per entry)."""
-        self._entries_high = max(self._entries_high, len(self.policy))
-        return max(self._dirs_at_start, 4096 * (SUBDIRS + 1) + DIR_ENTRY_BYTES * self._entries_high)
+        """The tier's directories (data/ and the subdirectories made so far), which never
+        shrink: counted at their high-water mark."""
+        self._entries_high = max(self._entries_high, len(self._entries))
+        return DIR_BYTES * (2 + len(self._made_dirs)) + DIR_ENTRY_BYTES * self._entries_high
 
-    def _db_bytes(self) -> int:
-        ((pages,),) = self._cache._sql("PRAGMA page_count").fetchall()
-        return int(pages) * int(self._cache._page_size)
-
-    def _file_size(self, suffix: str) -> int:
-        try:
-            return os.stat(os.path.join(self._dir, "cache.db" + suffix)).st_size
-        except OSError:
-            return 0
+    def _index_reserve(self) -> int:
+        """Room the index may grow into before it is compacted (and while it is)."""
+        return max(INDEX_MIN, 2 * self._live_bytes) + self._live_bytes
 
     def _disk_free(self) -> int:
         st = os.statvfs(self._dir)
         return st.f_bavail * st.f_frsize
 
-    # -- start-up --------------------------------------------------------------------
+    def _before_admit(self, size: int) -> None:
+        self._refresh_limits(size)
 
-    def _load_index(self) -> None:
-        """Rebuild the policy from the database, oldest first; drop rows of an older format."""
-        rows = self._cache._sql(
-            "SELECT key, CASE WHEN filename IS NULL THEN length(value) ELSE size END, filename"
-            " FROM Cache ORDER BY store_time").fetchall()
-        foreign, files = [], []
-        with self._plock:
-            self.policy.capacity = 1 << 62  # restored as found; _refresh_limits trims
-            for key, size, filename in rows:
-                if isinstance(key, bytes) and len(key) == 16:
-                    self.policy.admit(key, _allocated(int(size or 0)))
-                    if filename is not None:
-                        files.append((key, filename))
-                else:
-                    foreign.append(key)
-        for key in foreign:  # written by an older cachefs under full keys: not findable now
-            self._cache.delete(key, retry=True)
-        if foreign:
-            log.info("NVMe tier: dropped %d blocks of an older cache format", len(foreign))
-        with os.scandir(self._dir) as it:
-            for entry in it:
-                if entry.is_dir(follow_symlinks=False) and len(entry.name) == 2:
-                    shutil.rmtree(entry.path, ignore_errors=True)  # that format's directories
-        self._remove_orphans(files)
-        self._dirs_at_start = sum(os.stat(os.path.join(self._dir, d)).st_blocks * 512
-                                  for d in [".", *os.listdir(self._dir)]
-                                  if os.path.isdir(os.path.join(self._dir, d)))
-        log.info("NVMe tier index: %d blocks", len(rows) - len(foreign))
-
-    def _remove_orphans(self, rows: list[tuple[bytes, str]]) -> None:
-        """Make the files and the index (its (key, filename) rows) agree again after an
-        unclean stop.
-
-        A value file that no row names: a `kill -9` between writing a block's file and
-        committing its row leaves one, and the budget could not count it. Files younger
-        than ORPHAN_AGE are left alone: another daemon sharing the cache dir may be about
-        to commit their rows. A row whose file is gone: inside the writer's transaction,
-        diskcache deletes an evicted or replaced block's file at once, and the row's delete
-        waits for the commit, which a `kill -9` never reaches. Such a row reads as a miss,
-        but the budget would count it until the block was written again."""
-        named = {name for _, name in rows}
-        present = set()
-        cutoff = time.time() - ORPHAN_AGE
-        removed = freed = 0
-        for sub in "0123456789abcdef"[:SUBDIRS]:
-            try:
-                entries = list(os.scandir(os.path.join(self._dir, sub)))
-            except FileNotFoundError:
-                continue
-            for entry in entries:
-                name = f"{sub}/{entry.name}"
-                present.add(name)
-                if not entry.name.endswith(".val") or name in named:
-                    continue
+    def _refresh_limits(self, incoming: int = 0, force: bool = False) -> None:
+        """Set the policy's capacity from the two hard limits, measured when near either.
+        If either shrank below what is stored (a smaller budget on remount, another program
+        filling the disk), the policy gives up blocks, stale and least recently used first."""
+        with self._lock:
+            near = (self.policy.used + incoming + EXACT_MARGIN > self.policy.capacity
+                    or (self._min_free and self._free_estimate - incoming < self._min_free + EXACT_MARGIN))
+            changed = self._since_exact > 0 or time.monotonic() - self._measured_at > 1.0
+            self._since_exact += 1
+            if not (force or (near and changed) or self._since_exact >= EXACT_EVERY):
+                return
+            self._since_exact = 0
+            self._measured_at = time.monotonic()
+            limit = self._capacity - self._dir_bytes() - DIR_ENTRY_BYTES - self._index_reserve()
+            if self._min_free:
                 try:
-                    st = entry.stat(follow_symlinks=False)
-                    if st.st_mtime < cutoff:
-                        os.unlink(entry.path)
-                        removed += 1
-                        freed += st.st_blocks * 512
-                except FileNotFoundError:
-                    pass
-        if removed:
-            log.warning("NVMe tier: removed %d orphaned block files (%s) left by an unclean stop",
-                        removed, format_size(freed))
-        dangling = 0
-        for key, name in rows:
-            if name in present:
-                continue
-            # look again right before deleting: another daemon may have rewritten the block
-            now = self._cache._sql("SELECT filename FROM Cache WHERE key = ?", (key,)).fetchone()
-            if now is not None and now[0] == name and not os.path.exists(os.path.join(self._dir, name)):
-                self._cache.delete(key, retry=True)
-                with self._plock:
-                    self.policy.remove(key)
-                dangling += 1
-        if dangling:
-            log.warning("NVMe tier: dropped %d index entries whose block files an unclean stop had "
-                        "already deleted", dangling)
+                    free = self._disk_free()
+                except OSError:
+                    free = 0
+                self._free_estimate = free
+                limit = min(limit, self.policy.used + free - self._min_free)
+            limit = max(0, limit)
+            self.policy.capacity = limit
+            victims = self.policy.shrink(self.policy.used - limit) if self.policy.used > limit else []
+        self._evict(victims)
 
-    # -- reads -----------------------------------------------------------------------
+    # -- failures -------------------------------------------------------------------------
 
     @property
     def suspended(self) -> bool:
         """Off after repeated I/O failures (see SUSPEND_AFTER): no reads, no writes."""
         return time.monotonic() < self._suspended_until
+
+    def _usable(self) -> bool:
+        return not self.suspended
+
+    def _writable(self) -> bool:
+        if self.suspended or not self._check_dir():
+            self._stats.incr("disk.suspended_writes")
+            return False
+        return True
 
     def _io_failed(self, what: str, exc: BaseException) -> None:
         self._stats.incr("disk.errors")
@@ -362,17 +184,17 @@ class DiskTier:
         log.debug("cache disk %s failed: %s", what, exc)
         if self._failures >= SUSPEND_AFTER and not self.suspended and self._check_dir():
             # (a removed cache dir is its own case, off until the next mount: _check_dir
-            # says so once; failing reads, "unable to open database file", may see it first)
+            # says so once; failing reads may see it first)
             self._suspended_until = time.monotonic() + SUSPEND_FOR
             self._stats.incr("disk.suspensions")
             log.warning("NVMe tier off for %.0fs after %d failed cache-disk operations (last: %s %s): "
                         "serving from RAM and the source", SUSPEND_FOR, self._failures, what, exc)
 
     def _check_dir(self) -> bool:
-        """False (and the tier off until the next mount) if the cache dir's database is gone:
-        someone removed the cache dir under a running daemon. Writing on would fill an
-        unlinked database and recreated directories that no budget or restart could see."""
-        if os.path.exists(os.path.join(self._dir, "cache.db")):
+        """False (and the tier off until the next mount) if the tier's index is gone:
+        someone removed the cache dir under a running daemon. Writing on would fill files
+        that no budget or restart could see."""
+        if os.path.exists(self._index):
             return True
         if self._suspended_until != float("inf"):
             self._suspended_until = float("inf")
@@ -381,269 +203,281 @@ class DiskTier:
                         "until the next mount", self._dir)
         return False
 
-    def _io_ok(self) -> None:
+    def _read_ok(self) -> None:
         if self._failures:
             if self._failures >= SUSPEND_AFTER:
                 log.warning("NVMe tier working again")
             self._failures = 0
 
-    def get(self, key: bytes) -> bytes | None:
-        dkey = disk_key(key)
-        if self.suspended:
-            return None
-        if self._index_ready.is_set():
-            with self._plock:
-                if dkey not in self.policy:
-                    self.policy.miss()
-                    return None
-        start = time.perf_counter()
-        try:
-            blob = self._cache.get(dkey, default=None, read=False, retry=True)
-        except Exception as exc:  # a failed read is a miss: the block comes from the source
+    def _read_failed(self, key: BlockKey, exc: OSError) -> None:
+        if exc.errno == errno.ENOENT:  # its file is gone: the entry, or the whole cache dir
+            if self._check_dir():
+                self.discard(key)
             self._io_failed("read", exc)
-            return None
-        if blob is None:
-            # Not found: either written by the writer and not committed yet (pending, or
-            # committed since our read began: a second look finds it), or really gone
-            # (another daemon, a delete) and then the index forgets it. Forgetting a key
-            # whose file is on disk would leave that file outside the budget's account.
-            gone = dkey not in self._pending and not self._has_row(dkey)
-            if not gone and dkey not in self._pending:
-                self._check_dir()  # a row without its file: was the cache dir removed?
-            with self._plock:
-                if gone and dkey not in self._pending:
-                    self.policy.remove(dkey)
-                else:
-                    self.policy.miss()
-            return None
-        try:
-            data = decode_block(key, blob)
-        except ChecksumError as exc:
-            self._stats.incr("disk.checksum_failures")
-            log.warning("cached block failed verification (%s); dropping it and refetching", exc)
-            self.discard(key)
-            return None
-        with self._plock:
-            self.policy.hit(dkey)
-        self._io_ok()
-        self.read_latency += (time.perf_counter() - start - self.read_latency) * 0.05
-        return data
-
-    # -- writes ----------------------------------------------------------------------
-
-    def put(self, key: bytes, data: bytes, evict: bool = True) -> bool:
-        """Queue `data` for writing; False if the queue is full (the write is dropped).
-        With evict=False the block is written only if it fits without evicting anything."""
-        size = len(data)
-        if self.suspended:
-            self._stats.incr("disk.suspended_writes")
-            return False
-        with self._qlock:
-            if not evict:
-                # read-ahead and warming: wait for the writer rather than drop (a demand
-                # miss never waits: it drops, and the block is still in RAM)
-                self._qroom.wait_for(lambda: self._queued_bytes + size <= self._queue_limit, 30)
-            if self._queued_bytes + size > self._queue_limit:
-                self._stats.incr("disk.dropped_writes")
-                return False
-            if not evict and not self._room_for(self._queued_bytes + size + HEADER_SIZE):
-                self._stats.incr("disk.no_room")
-                return False
-            self._queued_bytes += size
-        self._queue.put((key, data, evict))
-        return True
-
-    def _room_for(self, size: int) -> bool:
-        return self.policy.used + _allocated(size) <= self.policy.capacity
-
-    def has_room(self, size: int) -> bool:
-        """Room for `size` more bytes without evicting (an estimate, refreshed on each write)."""
-        if self.suspended:
-            return False
-        with self._qlock:
-            return self._room_for(self._queued_bytes + size + HEADER_SIZE)
-
-    def put_now(self, key: bytes, data: bytes, evict: bool = True) -> bool:
-        """Write synchronously (used by the writer thread and by tests)."""
-        self._started.wait(30)
-        if self.suspended or not self._check_dir():  # queued before the tier went off
-            self._stats.incr("disk.suspended_writes")
-            return False
-        blob = encode_block(key, data)
-        dkey = disk_key(key)
-        try:
-            self._refresh_limits(len(blob))
-            with self._plock:
-                victims = self.policy.admit(dkey, _allocated(len(blob)), evict)
-                if victims is not None:
-                    self._pending.add(dkey)
-            if victims is None:
-                self._stats.incr("disk.no_room" if not evict else "disk.refused")
-                return False
-            self._delete(victims)
-            self._cache.set(dkey, blob, retry=True)
-            self._free_estimate -= _allocated(len(blob))
-            self._since_exact += 1
-        except Exception as exc:  # the block stays in RAM; the reader never sees this
-            with self._plock:
-                self.policy.remove(dkey)
-            self._io_failed("write", exc)
-            return False
-        finally:
-            if not self._in_batch:  # committed already: no transaction around this write
-                with self._plock:
-                    self._pending.discard(dkey)
-        self._stats.incr("disk.writes")
-        self._stats.incr("disk.written_bytes", len(data))
-        self._io_ok()
-        return True
-
-    def _refresh_limits(self, incoming: int = 0, force: bool = False) -> None:
-        """Set the policy's capacity from the two hard limits, measured when near either.
-
-        The policy counts blob bytes; the volume adds the database's pages. The limit for
-        the policy is what is left of --disk-size after those pages, and of the cache
-        disk's free space after --min-free. If either shrank below what is stored (a
-        smaller budget on remount, another program filling the disk), the policy gives
-        up entries, stale and least recently used first, until both hold again.
-        """
-        near = (self.policy.used + incoming + EXACT_MARGIN > self.policy.capacity
-                or (self._min_free and self._free_estimate - incoming < self._min_free + EXACT_MARGIN))
-        # Near a limit, measure again only if we wrote since (a full cache refusing one
-        # block after another must not query SQLite each time), or once a second (the disk's
-        # free space also moves with other programs' writes).
-        changed = self._since_exact > 0 or time.monotonic() - self._measured_at > 1.0
-        if not (force or (near and changed) or self._since_exact >= EXACT_EVERY):
             return
-        self._since_exact = 0
-        self._measured_at = time.monotonic()
-        # The log grows and is checkpointed in cycles: reserve its largest size, so the
-        # limit does not move (and evict) with each cycle.
-        overhead = (self._db_bytes() + self._file_size("-shm") + max(self._file_size("-wal"), WAL_RESERVE)
-                    + self._dir_bytes() + DIR_ENTRY_BYTES)
-        limit = self._capacity - overhead - DB_SLACK - int(SLACK_SHARE * self._capacity)
-        if self._min_free:
-            free = self._disk_free()
-            self._free_estimate = free
-            limit = min(limit, self.policy.used + free - self._min_free - DB_SLACK)
-        limit = max(0, limit)
-        with self._plock:
-            self.policy.capacity = limit
-            victims = self.policy.shrink(self.policy.used - limit) if self.policy.used > limit else []
-        self._delete(victims)
+        self._io_failed("read", exc)
 
-    def _delete(self, dkeys: list) -> None:
-        for dkey in dkeys:
-            self._cache.delete(dkey, retry=True)
-        if dkeys:
-            self._stats.incr("disk.evictions", len(dkeys))
+    def _write_failed(self, exc: OSError) -> None:
+        self._io_failed("write", exc)
 
-    def discard(self, key: bytes) -> None:
-        dkey = disk_key(key)
-        with self._plock:
-            self.policy.remove(dkey)
+    # -- the index ------------------------------------------------------------------------
+
+    def _append(self, line: bytes, live: bool = True) -> None:
+        with self._log_lock:
+            if self._log_fd < 0:
+                return
+            try:
+                os.write(self._log_fd, line)
+            except OSError as exc:
+                self._io_failed("index write", exc)
+                return
+            self._log_bytes += len(line)
+            if live:
+                self._live_bytes += len(line)
+            grown = self._log_bytes > max(INDEX_MIN, 2 * self._live_bytes)
+        if grown:
+            self._compact()
+
+    def _recorded(self, e: Entry, index_: int, h: int, new: bool) -> None:
+        line = index.block_line(e.name, index_, h)
+        if new:
+            line = index.entry_line(e.name, e.block_size, e.stored_at, e.attr, e.path) + line
+            self._paths[e.path] = bytes.fromhex(e.name)
+        self._append(line)
+
+    def _dropping(self, e: Entry, index_: int) -> None:
+        self._append(index.drop_line(e.name, index_), live=False)
+        if index_ < 0:
+            eid = bytes.fromhex(e.name)
+            if self._paths.get(e.path) == eid:
+                del self._paths[e.path]
+            self._live_bytes = max(0, self._live_bytes - 200 - 50 * len(e.hashes))
+
+    def _snapshot(self, clean: bool) -> bytes:
+        """The index of what is held now, as lines: entries and blocks, the checked ones
+        first, then a clean mark if `clean`, then blocks still to be checked."""
+        lines: list[bytes] = []
+        unchecked: list[bytes] = []
+        with self._lock:
+            for e in self._entries.values():
+                lines.append(index.entry_line(e.name, e.block_size, e.stored_at, e.attr, e.path))
+                for i, h in enumerate(e.hashes):
+                    if h is None:
+                        continue
+                    line = index.block_line(e.name, i, h)
+                    (unchecked if e.unverified is not None and i in e.unverified else lines).append(line)
+        if clean or not unchecked:
+            lines.append(index.clean_line(time.time()))
+        return b"".join(lines + unchecked)
+
+    def _compact(self, clean: bool = False) -> None:
+        """Rewrite the index as what is held now (new file, fsync, rename). Locks in the
+        order every writer takes them: the tier's, then the index's."""
+        with self._lock, self._log_lock:
+            tmp = self._index + ".new"
+            try:
+                data = self._snapshot(clean)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view):]
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, self._index)
+                fd = os.open(self._index, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+            except OSError as exc:
+                self._io_failed("index compaction", exc)
+                return
+            if self._log_fd >= 0:
+                os.close(self._log_fd)
+            self._log_fd = fd
+            self._log_bytes = self._live_bytes = len(data)
+
+    def _load(self) -> None:
+        """Rebuild the tier from its index: entries and blocks, oldest first into the
+        policy; blocks recorded after the last clean stop are marked for checking; files
+        nobody recorded are deleted. A damaged index costs what it described, not the mount."""
+        records: list = []
+        damaged = 0
         try:
-            self._cache.delete(dkey, retry=True)
-        except Exception as exc:
-            self._io_failed("delete", exc)
+            if os.path.exists(self._index):
+                for record in index.read(self._index):
+                    if record is None:
+                        damaged += 1
+                    else:
+                        records.append(record)
+        except OSError as exc:
+            aside = f"{self._index}.unreadable-{int(time.time())}"
+            log.warning("the NVMe tier's index could not be read (%s); set aside as %s, starting empty",
+                        exc, aside)
+            try:
+                os.replace(self._index, aside)
+            except OSError:
+                pass
+            records = []
+        clean = bool(records) and isinstance(records[-1], index.CleanRecord)
+        entries: dict[bytes, Entry] = {}
+        for r in records:
+            if isinstance(r, index.EntryRecord):
+                try:
+                    eid = bytes.fromhex(r.entry)
+                except ValueError:
+                    continue
+                if eid not in entries:
+                    entries[eid] = Entry(r.entry, r.path, r.attr, r.block_size, r.stored_at)
+                else:
+                    entries[eid].stored_at = r.stored_at
+            elif isinstance(r, index.BlockRecord):
+                e = entries.get(bytes.fromhex(r.entry)) if len(r.entry) == 32 else None
+                if e is None or not 0 <= r.block < len(e.hashes):
+                    continue
+                if e.hashes[r.block] is None:
+                    e.present += 1
+                e.hashes[r.block] = r.xxh3
+                e.unverified = (e.unverified or set()) | {r.block}  # checked once before it is served
+            elif isinstance(r, index.DropRecord):
+                eid = bytes.fromhex(r.entry) if len(r.entry) == 32 else b""
+                e = entries.get(eid)
+                if e is None:
+                    continue
+                if r.block < 0:
+                    del entries[eid]
+                elif 0 <= r.block < len(e.hashes) and e.hashes[r.block] is not None:
+                    e.hashes[r.block] = None
+                    e.present -= 1
+                    if e.unverified is not None:
+                        e.unverified.discard(r.block)
+        if damaged:
+            log.warning("NVMe tier: %d damaged index lines skipped; the blocks they described will be "
+                        "fetched again", damaged)
+        # The files: delete those without a record; forget entries whose file is gone.
+        on_disk = self._files()
+        self._made_dirs.update(os.path.dirname(path) for path in on_disk.values())
+        orphans = [path for name, path in on_disk.items() if bytes.fromhex(name) not in entries
+                   or entries[bytes.fromhex(name)].present == 0]
+        for path in orphans:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        missing = [eid for eid, e in entries.items() if e.name not in on_disk or e.present == 0]
+        for eid in missing:
+            del entries[eid]
+        if missing:
+            log.info("NVMe tier: %d index entries had no file (removed behind the daemon's back)", len(missing))
+        for eid, e in sorted(entries.items(), key=lambda kv: kv[1].stored_at):
+            self._entries[eid] = e
+            self._paths[e.path] = eid
+            for i, h in enumerate(e.hashes):
+                if h is not None:
+                    self.policy.admit((eid, i), allocated(e.extent(i)[1]))
+        log.info("NVMe tier: %d files, %d blocks, %s; each block is checked once before it is served%s",
+                 len(self._entries), len(self.policy), format_size(self.policy.used),
+                 "" if clean or not records else " (the last stop was not clean)")
+        if orphans:
+            log.info("NVMe tier: deleted %d files no index line described (an unclean stop)", len(orphans))
+        self._compact()  # a fresh index: what is held, damaged and dead lines gone
 
-    def mark_stale(self, key: bytes) -> None:
-        with self._plock:
-            self.policy.mark_stale(disk_key(key))
-
-    def __contains__(self, key: bytes) -> bool:
-        return self._has_row(disk_key(key))
-
-    def _has_row(self, dkey: bytes) -> bool:
+    def _files(self) -> dict[str, str]:
+        """Entry files on disk, by name."""
+        found: dict[str, str] = {}
         try:
-            return dkey in self._cache
-        except Exception:
-            return True  # cannot tell: keep the index entry
+            subdirs = list(os.scandir(self._data))
+        except OSError:
+            return found
+        for sub in subdirs:
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            try:
+                with os.scandir(sub.path) as it:
+                    for f in it:
+                        if len(f.name) == 32 and f.name.startswith(sub.name):
+                            try:
+                                bytes.fromhex(f.name)
+                            except ValueError:
+                                continue
+                            found[f.name] = f.path
+            except OSError:
+                continue
+        return found
 
-    def probably_has(self, key: bytes) -> bool:
-        """From the in-memory index, no I/O: exact for this daemon's writes once the index
-        is loaded; before that, ask the database."""
-        if self._index_ready.is_set():
-            return disk_key(key) in self.policy
-        return key in self
+    # -- what the metadata cache asks after a restart ---------------------------------------
 
-    def check(self) -> None:
-        """Assert the invariants (tests): the policy's bookkeeping, and the hard budget."""
-        with self._plock:
-            self.policy.check()
-        assert self._volume() <= self._capacity, f"volume {self._volume()} > budget {self._capacity}"
+    def attr_of(self, path: str) -> tuple[object, float] | None:
+        """(attributes, wall time they were recorded) of the newest cached version of `path`."""
+        eid = self._paths.get(path)
+        e = self._entries.get(eid) if eid is not None else None
+        return None if e is None else (e.attr, e.stored_at)
 
-    def _write_loop(self) -> None:
+    # -- the scrub ----------------------------------------------------------------------------
+
+    def _scrub_loop(self) -> None:
+        """Check blocks in the background: first those recorded since the last clean stop
+        (SCRUB_RATE), then all of them, slowly and forever (SCRUB_IDLE_RATE): bit rot shows
+        up as a checksum failure and a refetch, never as bytes served."""
         try:
-            # Background work: the kernel gives the CPU to readers first (Linux threads
-            # have their own nice value). Measured: without it, a writer catching up after
-            # a cold epoch took a core from the next epoch's readers.
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         except (OSError, AttributeError):
             pass
+        while not self._stop.wait(1.0):
+            with self._lock:
+                todo = [(eid, i) for eid, e in self._entries.items() if e.unverified for i in e.unverified]
+            rate = SCRUB_RATE if todo else SCRUB_IDLE_RATE
+            if not todo:
+                with self._lock:
+                    todo = [(eid, i) for eid, e in self._entries.items() for i, h in enumerate(e.hashes)
+                            if h is not None]
+            for key in todo:
+                if self._stop.is_set():
+                    return
+                self._stop.wait(self._check_block(key) / rate)
+
+    def _check_block(self, key: BlockKey) -> int:
+        """Read one block and compare it with its hash; the bytes read."""
+        eid, i = key
+        with self._lock:
+            e = self._entries.get(eid)
+            if e is None or e.hashes[i] is None or self.suspended:
+                return 0
+            expected = e.hashes[i]
+            offset, length = e.extent(i)
         try:
-            self._load_index()
-            # a remount with a smaller --disk-size, or a fuller disk: back under both limits
-            self._refresh_limits(force=True)
-        except Exception as exc:
-            # Without its index the tier admits nothing: cachefs runs on RAM and the source.
-            log.warning("could not index the NVMe tier (%s); not caching on disk", exc)
-        else:
-            self._index_ready.set()
-        finally:
-            self._started.set()
-        while True:
-            batch = [self._queue.get()]
-            while len(batch) < WRITE_BATCH:  # what else is waiting goes into one transaction
-                try:
-                    batch.append(self._queue.get_nowait())
-                except queue.Empty:
-                    break
-            stop = _STOP in batch
-            items = [item for item in batch if item is not _STOP]
+            fd = self._fds.get(e.name)
             try:
-                if items:
-                    self._write_batch(items)
+                data = pread_direct(fd, offset, length) if self._direct else pread(fd, offset, length)
             finally:
-                for _ in batch:
-                    self._queue.task_done()
-            if stop:
-                return
+                os.close(fd)
+        except OSError:
+            return 0
+        self._stats.incr("disk.scrubbed_bytes", len(data))
+        if len(data) != length or block_hash(data) != expected:
+            self._failed_check(key, "found by the scrub")
+        else:
+            self._verified(e, i)
+        return length
 
-    def _write_batch(self, items: list) -> None:
-        try:
-            with self._cache.transact(retry=True):
-                self._in_batch = True
-                try:
-                    for key, data, evict in items:
-                        self.put_now(key, data, evict)
-                finally:
-                    self._in_batch = False
-        except Exception as exc:  # put_now handles its own errors; this is the commit
-            self._io_failed("commit", exc)
-        finally:
-            with self._plock:
-                self._pending.clear()  # committed (or rolled back, and then looked up afresh)
-            with self._qlock:
-                self._queued_bytes -= sum(len(data) for _, data, _ in items)
-                self._qroom.notify_all()
-
-    def flush(self) -> None:
-        """Wait until the writer has loaded the index (and trimmed the tier to its budget)
-        and every queued write is on disk (or dropped after an error)."""
-        self._started.wait(30)
-        self._queue.join()
+    # -- shutdown -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._writer.is_alive():
-            self._queue.put(_STOP)
-            self._writer.join()
-        for con in self._connections.connections():  # every thread's, not only the caller's
+        """Write back the tier's files, then record a clean stop: the next start trusts
+        every block without reading it."""
+        self._stop.set()
+        if self._scrubber is not None:
+            self._scrubber.join(10)
+        if self._log_fd >= 0 and not self.suspended and os.path.exists(self._index):
             try:
-                con.close()
-            except Exception:  # a connection in use by a thread still running: it goes with it
-                pass
-        self._connections.clear()
+                syncfs(self._dir)
+                self._compact(clean=True)
+            except OSError as exc:
+                log.warning("NVMe tier: could not record a clean stop (%s); its blocks will be checked "
+                            "at the next start", exc)
+        with self._log_lock:
+            if self._log_fd >= 0:
+                os.close(self._log_fd)
+                self._log_fd = -1
+        super().close()
 
 
-__all__ = ["DiskTier", "HEADER_SIZE"]
+__all__ = ["DiskTier", "EntryInfo"]

@@ -1,105 +1,128 @@
-"""The RAM tier: blocks in a dict, bounded in bytes, kept or evicted by a Policy.
+"""The RAM tier: entry files on a tmpfs, within --ram-size, kept or evicted by a Policy.
+
+RAM-backed files rather than bytes in the daemon: the kernel can pass reads of a hot file
+through to its tmpfs copy without entering the daemon at all (FUSE passthrough), and the
+daemon path reads them with one pread. The directory is private to the daemon
+(`cachefs-<uid>-<pid>-*` under /dev/shm, or $XDG_RUNTIME_DIR) and removed when it stops;
+one a killed daemon left behind is removed by the next daemon that starts.
 
 Invariants (checked by tests/test_tiers.py after every operation):
-  - used_bytes == sum(len(v) for v in entries) <= capacity, at every moment;
+  - used_bytes == the blocks held, in 4 KiB pages, <= capacity at every moment;
   - a block larger than the whole tier is never admitted (and evicts nothing);
   - the blocks held are exactly the policy's keys.
+
+Hinted blocks (cachefs/hints.py) are pinned: no policy evicts them until they are read.
 """
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
+import logging
+import os
+import shutil
+import tempfile
+import weakref
 
-from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
+from cachefs.policy import DEFAULT_POLICY, Policy
 from cachefs.stats import Stats
+from cachefs.tiers.store import BlockKey, EntryInfo, FileStore, allocated
+
+log = logging.getLogger(__name__)
+
+TMPFS_MAGIC = 0x01021994
+PREFIX = "cachefs-"
 
 
-class MemoryTier:
+def _is_tmpfs(path: str) -> bool:
+    try:
+        import ctypes
+
+        class _StatFs(ctypes.Structure):
+            _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 112)]
+
+        buf = _StatFs()
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.statfs(os.fsencode(path), ctypes.byref(buf)) != 0:
+            return False
+        return (buf.f_type & 0xFFFFFFFF) == TMPFS_MAGIC
+    except (OSError, AttributeError):
+        return False
+
+
+def ram_base() -> str:
+    """Where RAM tiers put their directories: the first tmpfs we may write to."""
+    for base in ("/dev/shm", os.environ.get("XDG_RUNTIME_DIR") or ""):
+        if base and os.path.isdir(base) and os.access(base, os.W_OK | os.X_OK) and _is_tmpfs(base):
+            return base
+    return tempfile.gettempdir()
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
+def sweep_stale(base: str) -> int:
+    """Remove RAM tier directories of this user whose daemon is gone; how many."""
+    removed = 0
+    mine = f"{PREFIX}{os.getuid()}-"
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith(mine):
+            continue
+        try:
+            pid = int(name[len(mine):].split("-", 1)[0])
+        except ValueError:
+            continue
+        if not _pid_alive(pid):
+            shutil.rmtree(os.path.join(base, name), ignore_errors=True)
+            removed += 1
+    return removed
+
+
+class MemoryTier(FileStore):
     name = "ram"
 
     def __init__(self, capacity: int, stats: Stats | None = None, policy: str | Policy = DEFAULT_POLICY,
-                 max_idle: float | None = None):
-        self._capacity = int(capacity)
-        self.policy = policy if isinstance(policy, Policy) else make_policy(policy, self._capacity, max_idle)
-        self._entries: dict[bytes, bytes] = {}
-        self._lock = threading.Lock()
-        self._stats = stats or Stats()
-        self.on_evict: Callable[[bytes], None] | None = None  # told of every evicted key
-        self._stats.gauge("ram.used_bytes", lambda: self.policy.used)
-        self._stats.gauge("ram.capacity_bytes", lambda: self._capacity)
-        self._stats.gauge("ram.entries", lambda: len(self._entries))
+                 max_idle: float | None = None, base: str | None = None):
+        base = base or ram_base()
+        if sweep_stale(base):
+            log.info("removed RAM tier files a stopped cachefs left in %s", base)
+        directory = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getuid()}-{os.getpid()}-", dir=base)
+        super().__init__(directory, capacity, stats, policy, max_idle, direct=False)
+        self._cleanup = weakref.finalize(self, shutil.rmtree, directory, True)
+        if not _is_tmpfs(base):
+            log.warning("no tmpfs to hold the RAM tier (looked at /dev/shm and $XDG_RUNTIME_DIR): its files "
+                        "live on %s's filesystem", base)
+        else:
+            free = shutil.disk_usage(base).free
+            if free < self._capacity:
+                log.warning("%s has %d MiB free, less than the RAM tier's %d MiB: the tier will hold what fits "
+                            "(in a container, raise --shm-size)", base, free >> 20, self._capacity >> 20)
+        s = self._stats
+        s.gauge("ram.used_bytes", lambda: self.policy.used)
+        s.gauge("ram.capacity_bytes", lambda: self._capacity)
+        s.gauge("ram.entries", lambda: len(self.policy))
+        s.gauge("ram.files", lambda: len(self._entries))
 
-    @property
-    def used_bytes(self) -> int:
-        return self.policy.used
-
-    @property
-    def capacity(self) -> int:
-        return self._capacity
-
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._entries
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def get(self, key: bytes) -> bytes | None:
-        with self._lock:
-            data = self._entries.get(key)
-            if data is not None:
-                self.policy.hit(key)
-            else:
-                self.policy.miss()
-        return data
-
-    def peek(self, key: bytes) -> bytes | None:
-        """The block if held, without counting an access (a re-check, not a read)."""
-        return self._entries.get(key)
-
-    def put(self, key: bytes, data: bytes, evict: bool = True) -> bool:
-        """Store a block if the policy admits it; with evict=False only into free room
-        (read-ahead never pushes out data for a guess)."""
-        with self._lock:
-            victims = self.policy.admit(key, len(data), evict)
-            self._store(key, data, victims)
-        return self._admitted(victims, "ram.refused" if evict else "ram.no_room")
-
-    def put_pinned(self, key: bytes, data: bytes, pin_limit: int) -> bool:
+    def put_pinned(self, key: BlockKey, data: bytes, info: EntryInfo, pin_limit: int) -> bool:
         """Store a hinted block, pinned until unpin(): it replaces unpinned blocks, oldest
         access first, whatever the policy (see Policy.admit_pinned). False if refused."""
-        with self._lock:
-            victims = self.policy.admit_pinned(key, len(data), pin_limit)
-            self._store(key, data, victims)
-        return self._admitted(victims, "ram.refused")
+        return self._put(key, data, info, lambda size: self.policy.admit_pinned(key, size, pin_limit), "refused")
 
-    def _store(self, key: bytes, data: bytes, victims: list | None) -> None:
-        """Apply the policy's decision (lock held)."""
-        if victims is None:
-            if key not in self.policy:  # a refused re-put also dropped the old copy
-                self._entries.pop(key, None)
-            return
-        for victim in victims:
-            del self._entries[victim]
-        self._entries[key] = data
-
-    def _admitted(self, victims: list | None, refused: str) -> bool:
-        if victims is None:
-            self._stats.incr(refused)
-            return False
-        if victims:
-            self._stats.incr("ram.evictions", len(victims))
-            if self.on_evict is not None:
-                for victim in victims:
-                    self.on_evict(victim)
-        return True
-
-    def pin(self, key: bytes) -> bool:
+    def pin(self, key: BlockKey) -> bool:
         """Hold a cached block until unpin(); False if it is not cached."""
         with self._lock:
             return self.policy.pin(key)
 
-    def unpin(self, key: bytes) -> None:
+    def unpin(self, key: BlockKey) -> None:
         with self._lock:
             self.policy.unpin(key)
 
@@ -107,26 +130,16 @@ class MemoryTier:
     def pinned_bytes(self) -> int:
         return self.policy.pinned_bytes
 
-    def has_room(self, size: int) -> bool:
-        return self.policy.has_room(size)
-
-    def discard(self, key: bytes) -> None:
-        with self._lock:
-            if self._entries.pop(key, None) is not None:
-                self.policy.remove(key)
-
-    def mark_stale(self, key: bytes) -> None:
-        with self._lock:
-            self.policy.mark_stale(key)
-
-    def check(self) -> None:
-        with self._lock:
-            self.policy.check()
-            assert set(self._entries) == set(self.policy.keys()), "tier and policy disagree"
-            assert self.policy.used == sum(len(v) for v in self._entries.values())
+    def _write_failed(self, exc: OSError) -> None:
+        log.warning("writing to the RAM tier failed (%s); the block is served from where it came", exc)
 
     def close(self) -> None:
+        super().close()
         with self._lock:
-            for key in list(self._entries):
+            for key in list(self.policy.keys()):
                 self.policy.remove(key)
             self._entries.clear()
+        self._cleanup()
+
+
+__all__ = ["MemoryTier", "allocated"]

@@ -1,19 +1,32 @@
 """RAM in front of NVMe: a read is served RAM -> NVMe -> (caller fetches from the source).
 
 The rule between the tiers (docs/design.md, "Cache policy"):
-  - a block fetched from the source is offered to both tiers (NVMe asynchronously), and
-    each tier's own policy decides whether to keep it: the tiers are inclusive;
+  - a block fetched from the source is offered to both tiers, and each tier's own policy
+    decides whether to keep it: the tiers are inclusive;
   - an NVMe hit is promoted into RAM when the RAM policy admits it (with `keep`: while RAM
     has room, or holds stale or idle blocks to replace), so RAM holds the blocks that were
     read first and keep being read;
   - nothing is demoted: a block leaving RAM is already on NVMe if NVMe admitted it.
+
+It is also the core's one view of the cache: whole files for passthrough come from here
+(`backing`), RAM first.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from cachefs.stats import Stats
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.memory import MemoryTier
+from cachefs.tiers.store import BlockKey, EntryInfo, FileStore
+
+
+class Backing(NamedTuple):
+    """A complete cached file the kernel may read directly: which tier, which file."""
+
+    tier: FileStore
+    path: str
 
 
 class MultiLevelCache:
@@ -22,7 +35,7 @@ class MultiLevelCache:
         self.disk = disk
         self._stats = stats
 
-    def get_disk(self, key: bytes) -> bytes | None:
+    def get_disk(self, key: BlockKey) -> bytes | None:
         """Look a block up on NVMe; a hit is promoted into RAM."""
         if self.disk is None:
             return None
@@ -31,34 +44,44 @@ class MultiLevelCache:
             self._stats.incr("disk.misses")
             return None
         self._stats.incr("disk.hits")
-        if self.ram.put(key, data):
+        info = self.disk.info_of(key[0])
+        if info is not None and self.ram.put(key, data, info):
             self._stats.incr("ram.promotions")
         return data
 
-    def put(self, key: bytes, data: bytes, evict: bool = True) -> bool:
-        """Store a block in RAM and (asynchronously) on NVMe. With evict=False (read-ahead,
-        warming) each tier takes it only if it fits without evicting; returns whether any did."""
-        in_ram = self.ram.put(key, data, evict)
-        on_disk = self.disk.put(key, data, evict) if self.disk is not None else False
+    def put(self, key: BlockKey, data: bytes, info: EntryInfo, evict: bool = True) -> bool:
+        """Store a block in RAM and on NVMe. With evict=False (read-ahead, warming) each tier
+        takes it only if it fits without evicting; returns whether any did."""
+        in_ram = self.ram.put(key, data, info, evict)
+        on_disk = self.disk.put(key, data, info, evict) if self.disk is not None else False
         return in_ram or on_disk
 
     def has_room(self, size: int) -> bool:
         return self.ram.has_room(size) or (self.disk is not None and self.disk.has_room(size))
 
-    def contains(self, key: bytes) -> bool:
-        """Cached in some tier, judged without I/O (see DiskTier.probably_has)."""
+    def contains(self, key: BlockKey) -> bool:
+        """Cached in some tier, judged without I/O."""
         return key in self.ram or (self.disk is not None and self.disk.probably_has(key))
 
-    def mark_stale(self, key: bytes) -> None:
+    def mark_stale(self, key: BlockKey) -> None:
         """The block belongs to a version of a file that is gone: evict it first."""
         self.ram.mark_stale(key)
         if self.disk is not None:
             self.disk.mark_stale(key)
 
-    def discard(self, key: bytes) -> None:
+    def discard(self, key: BlockKey) -> None:
         self.ram.discard(key)
         if self.disk is not None:
             self.disk.discard(key)
+
+    def backing(self, eid: bytes) -> Backing | None:
+        """A tier holding the whole file version `eid`, RAM first; None if none does."""
+        for tier in (self.ram, self.disk):
+            if tier is not None:
+                path = tier.backing_file(eid)
+                if path is not None:
+                    return Backing(tier, path)
+        return None
 
     def flush(self) -> None:
         if self.disk is not None:

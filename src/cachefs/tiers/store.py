@@ -1,0 +1,496 @@
+"""A cache tier whose entries are files: one file per cached source-file version, holding the
+file's bytes at their own offsets and nothing else, so that the kernel can read it directly
+(FUSE passthrough). Small files are one block and written whole; large ones are sparse,
+filled block by block, with the blocks present tracked in memory (and, for the NVMe tier,
+in its index log).
+
+The policy (cachefs/policy.py) decides per block, as before: the keys are (entry id, block
+index). A block the policy drops is punched out of its file; the last block of an entry,
+or any block of an entry the kernel has open for passthrough, takes the whole entry's file
+with it (unlinked: a reader that has it open keeps reading the version it opened).
+
+Two subclasses: `MemoryTier` (files on tmpfs, the RAM budget) and `DiskTier` (files on the
+cache disk, with an index that survives restarts).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import logging
+import os
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from typing import NamedTuple
+
+import xxhash
+
+from cachefs.directio import pread, pread_direct
+from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
+from cachefs.source import Attr
+from cachefs.stats import Stats
+
+log = logging.getLogger(__name__)
+
+BlockKey = tuple[bytes, int]  # (entry id, block index)
+
+FD_CACHE = 256          # open descriptors kept for reading entry files
+SUBDIR_CHARS = 2        # data/<first 2 hex digits of the entry id>/<entry id>
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def allocated(size: int) -> int:
+    """Bytes `size` bytes of a file take on a filesystem with 4 KiB blocks."""
+    return -(-size // 4096) * 4096
+
+
+def block_hash(data: bytes | memoryview) -> int:
+    return xxhash.xxh3_64_intdigest(data)
+
+
+class EntryInfo(NamedTuple):
+    """What a tier needs to create an entry: the file version it holds."""
+
+    path: str
+    attr: Attr
+    block_size: int
+
+
+class Entry:
+    """One cached file version: which blocks are present, their hashes, who has it open."""
+
+    __slots__ = ("attr", "block_size", "hashes", "name", "path", "present", "stored_at", "unverified", "users")
+
+    def __init__(self, name: str, path: str, attr: Attr, block_size: int, stored_at: float):
+        self.name = name                # the entry id in hex: its file name
+        self.path = path
+        self.attr = attr
+        self.block_size = block_size
+        self.stored_at = stored_at      # wall clock, when its attributes were last known good
+        self.hashes: list[int | None] = [None] * max(1, -(-attr.size // block_size))
+        self.present = 0
+        self.unverified: set[int] | None = None  # blocks to check before they are served
+        self.users = 0                  # opens the kernel holds for passthrough
+
+    @property
+    def size(self) -> int:
+        return self.attr.size
+
+    @property
+    def complete(self) -> bool:
+        return self.present == len(self.hashes)
+
+    def extent(self, index: int) -> tuple[int, int]:
+        start = index * self.block_size
+        return start, max(0, min(self.block_size, self.attr.size - start))
+
+
+class _Descriptors:
+    """An LRU of open read descriptors, by entry name."""
+
+    def __init__(self, opener: Callable[[str], int], limit: int = FD_CACHE):
+        self._open = opener
+        self._fds: OrderedDict[str, int] = OrderedDict()
+        self._limit = limit
+        self._lock = threading.Lock()
+
+    def get(self, name: str) -> int:
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is not None:
+                self._fds.move_to_end(name)
+                return os.dup(fd)  # the caller closes its own: an eviction cannot pull it away
+        fd = self._open(name)
+        with self._lock:
+            old = self._fds.pop(name, None)
+            self._fds[name] = fd
+            extra = [self._fds.popitem(last=False)[1] for _ in range(max(0, len(self._fds) - self._limit))]
+        for x in extra + ([old] if old is not None else []):
+            os.close(x)
+        return os.dup(fd)
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            fd = self._fds.pop(name, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        with self._lock:
+            fds = list(self._fds.values())
+            self._fds.clear()
+        for fd in fds:
+            os.close(fd)
+
+
+class FileStore:
+    """The machinery both tiers share. Thread-safe; writes are synchronous."""
+
+    name = "store"
+
+    def __init__(self, directory: str, capacity: int, stats: Stats | None = None,
+                 policy: str | Policy = DEFAULT_POLICY, max_idle: float | None = None, direct: bool = False):
+        self._dir = directory
+        self._data = os.path.join(directory, "data")
+        os.makedirs(self._data, mode=0o700, exist_ok=True)
+        self._capacity = int(capacity)
+        self._stats = stats or Stats()
+        self.policy = policy if isinstance(policy, Policy) else make_policy(policy, self._capacity, max_idle)
+        self._entries: dict[bytes, Entry] = {}
+        self._lock = threading.RLock()
+        self._direct = direct and self._probe_direct()
+        self._fds = _Descriptors(self._open_read)
+        self.on_evict: Callable[[BlockKey], None] | None = None  # told of every evicted block
+        self.read_latency = 0.0  # seconds: moving average of a block read that hit
+        self._made_dirs: set[str] = set()
+
+    # -- paths and descriptors --------------------------------------------------------
+
+    @property
+    def directory(self) -> str:
+        return self._dir
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self.policy.used
+
+    def file_of(self, name: str) -> str:
+        return os.path.join(self._data, name[:SUBDIR_CHARS], name)
+
+    def _probe_direct(self) -> bool:
+        probe = os.path.join(self._dir, ".direct-probe")
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_DIRECT | os.O_CLOEXEC, 0o600)
+            os.close(fd)
+            return True
+        except OSError:
+            return False  # tmpfs and others refuse O_DIRECT: read through the page cache
+        finally:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+
+    def _open_read(self, name: str) -> int:
+        return os.open(self.file_of(name), os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if self._direct else 0))
+
+    def _open_write(self, name: str) -> int:
+        path = self.file_of(name)
+        sub = os.path.dirname(path)
+        if sub not in self._made_dirs:
+            os.makedirs(sub, mode=0o700, exist_ok=True)
+            self._made_dirs.add(sub)
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+
+    def clear(self) -> None:
+        """Drop every entry (the tier stays usable)."""
+        with self._lock:
+            keys = list(self.policy.keys())
+            for key in keys:
+                self.policy.remove(key)
+        self._evict(keys, counted=False)
+
+    # -- lookups ----------------------------------------------------------------------
+
+    def __contains__(self, key: BlockKey) -> bool:
+        return key in self.policy
+
+    def probably_has(self, key: BlockKey) -> bool:
+        """Held, judged from memory (no I/O)."""
+        return key in self.policy
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def entry(self, eid: bytes) -> Entry | None:
+        return self._entries.get(eid)
+
+    def info_of(self, eid: bytes) -> EntryInfo | None:
+        e = self._entries.get(eid)
+        return None if e is None else EntryInfo(e.path, e.attr, e.block_size)
+
+    def get(self, key: BlockKey) -> bytes | None:
+        """The block's bytes, counting an access; None (a miss) if it is not held, cannot
+        be read, or fails its check."""
+        data = self._read(key)
+        with self._lock:
+            if data is not None and key in self.policy:
+                self.policy.hit(key)
+            else:
+                self.policy.miss()
+        return data
+
+    def peek(self, key: BlockKey) -> bytes | None:
+        """The block if held, without counting an access (a re-check, not a read)."""
+        return self._read(key)
+
+    def _read(self, key: BlockKey, buffered: bool = False) -> bytes | None:
+        """The block's bytes, checked against its hash if it has not been since the start.
+        `buffered`: through the page cache even where the tier reads with O_DIRECT (for a
+        file the kernel is about to read directly: it finds the pages there)."""
+        eid, index = key
+        with self._lock:
+            e = self._entries.get(eid)
+            if e is None or index >= len(e.hashes) or e.hashes[index] is None or not self._usable():
+                return None
+            expected = e.hashes[index]
+            check = e.unverified is not None and index in e.unverified
+            offset, length = e.extent(index)
+        start = time.perf_counter()
+        direct = self._direct and not buffered
+        try:
+            fd = self._fds.get(e.name) if not buffered else os.open(self.file_of(e.name), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                data = pread_direct(fd, offset, length) if direct else pread(fd, offset, length)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._read_failed(key, exc)
+            return None
+        if len(data) != length or (check and block_hash(data) != expected):
+            self._failed_check(key, "short" if len(data) != length else "checksum mismatch")
+            return None
+        if check:
+            self._verified(e, index)
+        self.read_latency += (time.perf_counter() - start - self.read_latency) * 0.05
+        self._read_ok()
+        return data
+
+    def _usable(self) -> bool:
+        return True
+
+    def _read_ok(self) -> None:
+        pass
+
+    def _read_failed(self, key: BlockKey, exc: OSError) -> None:
+        log.debug("reading cached block of %s failed: %s", key[0].hex(), exc)
+        self.discard(key)
+
+    def _failed_check(self, key: BlockKey, why: str) -> None:
+        self._stats.incr(f"{self.name}.checksum_failures")
+        log.warning("cached block %d of %s failed verification (%s); dropping it and refetching",
+                    key[1], self._entries[key[0]].path if key[0] in self._entries else key[0].hex(), why)
+        self.discard(key)
+
+    def _verified(self, e: Entry, index: int) -> None:
+        with self._lock:
+            if e.unverified is not None:
+                e.unverified.discard(index)
+                if not e.unverified:
+                    e.unverified = None
+
+    # -- writes -----------------------------------------------------------------------
+
+    def has_room(self, size: int) -> bool:
+        return self._usable() and self.policy.has_room(allocated(size))
+
+    def put(self, key: BlockKey, data: bytes | memoryview, info: EntryInfo, evict: bool = True) -> bool:
+        """Write a block into its entry's file if the policy admits it; with evict=False only
+        into free room (a guess never pushes out cached data)."""
+        return self._put(key, data, info, lambda size: self.policy.admit(key, size, evict),
+                         "refused" if evict else "no_room")
+
+    def _put(self, key: BlockKey, data: bytes | memoryview, info: EntryInfo,
+             admit: Callable[[int], list[Hashable] | None], refused: str) -> bool:
+        if not self._writable():
+            return False
+        eid, index = key
+        size = allocated(len(data))
+        with self._lock:
+            e = self._entries.get(eid)
+            if e is not None and e.hashes[index] is not None:
+                return True
+            self._before_admit(size)
+            victims = admit(size)
+            if victims is None:
+                self._stats.incr(f"{self.name}.{refused}")
+                return False
+            new = e is None
+            if new:
+                e = Entry(eid.hex(), info.path, info.attr, info.block_size, time.time())
+                self._entries[eid] = e
+        assert e is not None
+        self._evict(victims)
+        h = block_hash(data)
+        try:
+            fd = self._open_write(e.name)
+            try:
+                if new and len(e.hashes) > 1:
+                    os.ftruncate(fd, e.size)  # sparse: blocks arrive at their offsets
+                offset = index * e.block_size
+                view = memoryview(data)
+                while view:
+                    n = os.pwrite(fd, view, offset)
+                    view, offset = view[n:], offset + n
+                if new and len(e.hashes) == 1:
+                    os.ftruncate(fd, len(data))  # a leftover file of a crashed run was longer
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            with self._lock:
+                self.policy.remove(key)
+                if new and e.present == 0:
+                    self._entries.pop(eid, None)
+            self._write_failed(exc)
+            return False
+        with self._lock:
+            current = self._entries.get(eid)
+            kept = key in self.policy and current is e
+            if kept and e.hashes[index] is None:
+                e.hashes[index] = h
+                e.present += 1
+                self._recorded(e, index, h, new)
+        if not kept:  # evicted or replaced while we wrote: nothing to record
+            if current is None:
+                try:
+                    os.unlink(self.file_of(e.name))  # the write re-created a dropped file
+                except OSError:
+                    pass
+            return False
+        self._stats.add_many({f"{self.name}.writes": 1, f"{self.name}.written_bytes": len(data)})
+        return True
+
+    def _writable(self) -> bool:
+        return True
+
+    def _before_admit(self, size: int) -> None:
+        pass
+
+    def _recorded(self, e: Entry, index: int, h: int, new: bool) -> None:
+        pass
+
+    def _write_failed(self, exc: OSError) -> None:
+        log.warning("writing to the %s tier failed: %s", self.name, exc)
+
+    # -- eviction ---------------------------------------------------------------------
+
+    def _evict(self, victims: list[Hashable] | None, counted: bool = True) -> None:
+        """Drop blocks the policy let go (already out of the policy)."""
+        if not victims:
+            return
+        for key in victims:
+            self._drop_block(key)  # type: ignore[arg-type]
+        if counted:
+            self._stats.incr(f"{self.name}.evictions", len(victims))
+        if self.on_evict is not None:
+            for key in victims:
+                self.on_evict(key)  # type: ignore[arg-type]
+
+    def _drop_block(self, key: BlockKey) -> None:
+        eid, index = key
+        with self._lock:
+            e = self._entries.get(eid)
+            if e is None or e.hashes[index] is None:
+                return
+            e.hashes[index] = None
+            e.present -= 1
+            whole = e.present == 0 or e.users > 0
+            if whole:
+                # The kernel may be reading it (passthrough): never punch a hole under a
+                # reader. The entry goes whole; an open file keeps its bytes.
+                for i, h in enumerate(e.hashes):
+                    if h is not None:
+                        self.policy.remove((eid, i))
+                        e.hashes[i] = None
+                e.present = 0
+                del self._entries[eid]
+            self._dropping(e, -1 if whole else index)
+        if whole:
+            self._fds.forget(e.name)
+            try:
+                os.unlink(self.file_of(e.name))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                self._write_failed(exc)
+        else:
+            offset, length = e.extent(index)
+            try:
+                fd = self._open_write(e.name)
+                try:
+                    punch_hole(fd, offset, allocated(length))
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                    self._write_failed(exc)
+
+    def _dropping(self, e: Entry, index: int) -> None:
+        """Recorded before the file changes (index -1: the whole entry)."""
+
+    def discard(self, key: BlockKey) -> None:
+        with self._lock:
+            held = self.policy.remove(key)
+        if held:
+            self._evict([key], counted=False)
+
+    def mark_stale(self, key: BlockKey) -> None:
+        with self._lock:
+            self.policy.mark_stale(key)
+
+    # -- whole entries, for passthrough -------------------------------------------------
+
+    def backing_file(self, eid: bytes) -> str | None:
+        """The path of the entry's file if every block is present (and checked since the
+        start): what the kernel may read directly. None otherwise."""
+        with self._lock:
+            e = self._entries.get(eid)
+            if e is None or not e.complete or not self._usable():
+                return None
+            unverified = sorted(e.unverified) if e.unverified else []
+        for index in unverified:  # once per entry after a start: read and compare each block
+            if self._read((eid, index), buffered=True) is None:
+                return None
+        return self.file_of(e.name)
+
+    def acquire(self, eid: bytes) -> bool:
+        """The kernel opened the entry's file for passthrough: it is not punched until released."""
+        with self._lock:
+            e = self._entries.get(eid)
+            if e is None:
+                return False
+            e.users += 1
+            for i in range(len(e.hashes)):
+                if (eid, i) in self.policy:
+                    self.policy.hit((eid, i))
+            return True
+
+    def release(self, eid: bytes) -> None:
+        with self._lock:
+            e = self._entries.get(eid)
+            if e is not None and e.users > 0:
+                e.users -= 1
+
+    # -- checks and shutdown ------------------------------------------------------------
+
+    def check(self) -> None:
+        """Assert the invariants (tests): policy bookkeeping, blocks present = policy keys."""
+        with self._lock:
+            self.policy.check()
+            held = {(eid, i) for eid, e in self._entries.items() for i, h in enumerate(e.hashes) if h is not None}
+            assert held == set(self.policy.keys()), "tier and policy disagree"
+            for e in self._entries.values():
+                assert e.present == sum(h is not None for h in e.hashes), "present count drifted"
+
+    def flush(self) -> None:
+        """Writes are synchronous: nothing is waiting."""
+
+    def close(self) -> None:
+        self._fds.close()
