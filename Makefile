@@ -37,8 +37,11 @@ lint: dev
 	$(PY) -m ruff check src tools tests
 	$(PY) -m mypy src
 
+# Everything, mounts in the default mode (passthrough where this machine allows it); then
+# the mounted tests again with passthrough off (zero-message opens, the daemon's read path).
 test: lint
 	$(PY) -m pytest -q
+	CACHEFS_TEST_PASSTHROUGH=off $(PY) -m pytest -q -m fuse
 
 bench: setup
 	$(PY) tools/bench.py epoch

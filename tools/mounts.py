@@ -38,9 +38,13 @@ def cachefs_stats(mountpoint: str | os.PathLike) -> dict:
 
 def mount_cachefs(source: str | os.PathLike, mountpoint: str | os.PathLike, cache_dir: str | os.PathLike,
                   ram_size: str = "256MiB", disk_size: str = "1GiB", extra: Sequence[str] = ()) -> None:
+    """Mount through the CLI. CACHEFS_TEST_PASSTHROUGH=off|on|auto sets --passthrough for
+    every mount that does not set it itself (the test suite runs its mounts in both modes)."""
     os.makedirs(mountpoint, exist_ok=True)
+    mode = os.environ.get("CACHEFS_TEST_PASSTHROUGH")
+    default = ["--passthrough", mode] if mode else []
     cachefs_cli("mount", source, mountpoint, "--cache-dir", cache_dir, "--ram-size", ram_size,
-                "--disk-size", disk_size, *extra, check=True)
+                "--disk-size", disk_size, *default, *extra, check=True)
 
 
 def mount_slowfs(source: str | os.PathLike, mountpoint: str | os.PathLike, latency: str = "2ms",

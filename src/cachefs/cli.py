@@ -14,10 +14,12 @@ from cachefs.config import (
     DEFAULT_MAX_IDLE,
     DEFAULT_METADATA_TTL,
     DEFAULT_NEGATIVE_TTL,
+    DEFAULT_PASSTHROUGH,
     DEFAULT_POLICY,
     DEFAULT_PREFETCH_WORKERS,
     DEFAULT_READAHEAD,
     DEFAULT_SOURCE_TIMEOUT,
+    PASSTHROUGH_MODES,
     READAHEAD_MODES,
     ROTATIONAL_PREFETCH_WORKERS,
     Config,
@@ -165,6 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="let other users use the mount; the kernel then enforces the source's modes")
     run.add_argument("--log-file", metavar="FILE", help="daemon log (default: CACHE_DIR/cachefs.log)")
     run.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug (with tracebacks)")
+    run.add_argument("--passthrough", choices=PASSTHROUGH_MODES, default=DEFAULT_PASSTHROUGH,
+                     help="auto: the kernel reads cached files directly (FUSE passthrough, Linux 6.9+, "
+                          "root) where it can, zero-message opens otherwise; on: passthrough, falling back "
+                          "per open where refused; off: zero-message opens, which are faster while the "
+                          "page cache holds the whole dataset (default: %(default)s)")
     run.add_argument("--open-per-handle", action="store_true",
                      help="send every open() to cachefs instead of using zero-message opens "
                           "(slower warm epochs; for debugging)")
@@ -437,7 +444,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         metadata_ttl=args.metadata_ttl, negative_ttl=args.negative_ttl, foreground=args.foreground,
         source_timeout=args.source_timeout,
         allow_other=args.allow_other, log_file=args.log_file, verbose=args.verbose,
-        debug_fuse=args.debug_fuse, zero_message_open=not args.open_per_handle,
+        debug_fuse=args.debug_fuse, zero_message_open=not args.open_per_handle, passthrough=args.passthrough,
         readahead=args.readahead, prefetch_workers=args.prefetch_workers, warm=args.warm,
         metrics_addr=args.metrics_addr,
         policy=args.policy, max_idle=args.max_idle, min_free=args.min_free,

@@ -72,6 +72,19 @@ DEFAULT_DISK_MAX = 64 * GiB
 # Largest read the kernel sends in one request (bytes): the FUSE maximum on Linux >= 4.20.
 MAX_READ = 1 * MiB
 
+# How opens are served. "auto": FUSE passthrough where the kernel grants it and the
+# daemon may register backing files (CAP_SYS_ADMIN), zero-message opens otherwise; "on":
+# passthrough, falling back per open where refused; "off": zero-message opens. Passthrough
+# wins once the data does not fit in RAM: a cached file's reads never reach the daemon;
+# zero-message opens win while the page cache holds everything (no OPEN/RELEASE per file).
+PASSTHROUGH_MODES = ("auto", "on", "off")
+DEFAULT_PASSTHROUGH = "auto"
+
+# Cold files up to this size are fetched whole when opened in passthrough mode, stored,
+# and then read by the kernel directly; larger ones are served block by block (with
+# read-ahead) until they are complete, and passed through from then on.
+WHOLE_FILE_MAX = 16 * MiB
+
 # FUSE request threads. FUSE_READERS of them take requests; one that waits on the source
 # hands its place to another, up to FUSE_MAX_THREADS (the misses in flight: 8 DataLoader
 # workers plus kernel read-ahead need more than 10). More readers than this only fight
@@ -179,6 +192,7 @@ class Config:
     verbose: int = 0
     debug_fuse: bool = False
     zero_message_open: bool = True
+    passthrough: str = DEFAULT_PASSTHROUGH  # "auto", "on", "off"
     readahead: str = DEFAULT_READAHEAD
     prefetch_workers: int | None = None  # None: by the source's kind (see validate)
     warm: bool = False

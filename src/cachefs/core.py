@@ -22,13 +22,13 @@ import stat as stat_mod
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING
 
-from cachefs.blocks import FileId, block_extent, block_key, block_range
+from cachefs.blocks import FileId, block_count, block_extent, block_key, block_range, entry_id
 from cachefs.config import (
     DEFAULT_BLOCK_SIZE,
     DEFAULT_METADATA_TTL,
@@ -39,6 +39,7 @@ from cachefs.config import (
     SOURCE_DOWN_AFTER,
     SOURCE_RETRY,
     SOURCE_THREADS,
+    WHOLE_FILE_MAX,
 )
 from cachefs.errors import SourceChanged
 from cachefs.hints import HINT_DISK_LATENCY, HintBoard
@@ -47,7 +48,7 @@ from cachefs.prefetch import THREAD_PREFIX as PREFETCH_THREAD
 from cachefs.readahead import DirectoryCursor, SequentialReadahead, StreamTable
 from cachefs.source import Attr, DirEntry, Source
 from cachefs.stats import Stats
-from cachefs.tiers.multilevel import MultiLevelCache
+from cachefs.tiers.multilevel import Backing, MultiLevelCache
 from cachefs.tiers.store import BlockKey, EntryInfo
 
 if TYPE_CHECKING:
@@ -137,6 +138,7 @@ class Core:
         readahead: str = "off",
         readahead_max: int = DEFAULT_READAHEAD_MAX,
         source_timeout: float = 0.0,
+        whole_file_max: int = WHOLE_FILE_MAX,
     ):
         if block_size <= 0:
             raise ValueError("block_size must be positive")
@@ -151,6 +153,7 @@ class Core:
             raise ValueError(f"readahead must be one of {READAHEAD_MODES}")
         self.prefetcher = prefetcher
         self.source_timeout = source_timeout
+        self.whole_file_max = whole_file_max
         self._source_pool = (ThreadPoolExecutor(SOURCE_THREADS, thread_name_prefix="cachefs-source")
                              if source_timeout > 0 else None)
         self._down_since: float | None = None  # when the source stopped answering (monotonic)
@@ -312,12 +315,19 @@ class Core:
         """Bytes [offset, offset+size) of the file, short only at end of file."""
         if offset < 0 or size < 0:
             raise OSError(errno.EINVAL, "negative offset or size", path)
+        with self._reading_guard(path):
+            return self._read(path, offset, size, fid)
+
+    @contextlib.contextmanager
+    def _reading_guard(self, path: str) -> Iterator[None]:
+        """Around a read: ESTALE while the file is being changed (see begin_change), and
+        counted, so that the change can wait for the reads already in flight."""
         with self._reading_cond:  # the check and the count together, or a read slips past both
             if self._changing and path in self._changing:
                 raise SourceChanged(path)
             self._reading[path] = self._reading.get(path, 0) + 1
         try:
-            return self._read(path, offset, size, fid)
+            yield
         finally:
             with self._reading_cond:
                 left = self._reading[path] - 1
@@ -326,6 +336,38 @@ class Core:
                 else:
                     del self._reading[path]
                     self._reading_cond.notify_all()
+
+    def open_file(self, fid: FileId, fill: bool = True) -> tuple[Backing | None, bytes | None]:
+        """For an open in passthrough mode: a complete cached copy of this file version that
+        the kernel may read directly, RAM first; its blocks count as hits of that tier, once
+        per open. A cold file up to WHOLE_FILE_MAX is fetched whole first when `fill` (as a
+        reader's misses: single flight, counted, stored in both tiers). When no tier kept
+        it (both full), its bytes come back instead, for the daemon to serve this open from:
+        nothing fetched is fetched twice. (None, None): serve it block by block."""
+        eid = entry_id(self.namespace, fid, self.block_size)
+        found = self.cache.backing(eid)
+        if found is None and fill and 0 < fid.size <= self.whole_file_max:
+            with self._reading_guard(fid.path):
+                parts = [self._block(fid, index)[0] for index in range(block_count(fid.size, self.block_size))]
+            self.stats.incr("opens.filled")
+            found = self.cache.backing(eid)
+            if found is None:
+                return None, parts[0] if len(parts) == 1 else b"".join(parts)
+        elif found is not None:
+            n = block_count(fid.size, self.block_size)
+            hits = {"ram.hits": n, "ram.served_bytes": fid.size} if found.tier is self.cache.ram else \
+                {"ram.misses": n, "disk.hits": n, "disk.served_bytes": fid.size}
+            self.stats.add_many(hits)
+            for index in range(n):  # what a read of each block tells read-ahead and hints
+                key = (eid, index)
+                if self._ahead:
+                    self._note_used(key)
+                if self.hints is not None and self.hints.holding:
+                    self.hints.on_read(key)
+        return found, None
+
+    def entry_id(self, fid: FileId) -> bytes:
+        return entry_id(self.namespace, fid, self.block_size)
 
     def _read(self, path: str, offset: int, size: int, fid: FileId | None) -> bytes:
         fid = fid or self.file_id(path)

@@ -47,6 +47,7 @@ from cachefs.fuse.session import (
 )
 from cachefs.source import Attr
 from cachefs.stats import FUSE_OPS
+from cachefs.tiers.store import FileStore
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,20 @@ class ErrorLog:
             while len(self._warned) > self.max_paths:
                 self._warned.popitem(last=False)
             return logging.WARNING, None
+
+
+class _NodeOpen:
+    """How the open files of one node are served: through one backing file (passthrough),
+    or by the daemon (backing_id 0)."""
+
+    __slots__ = ("backing_id", "eid", "fid", "refs", "tier")
+
+    def __init__(self, fid: FileId):
+        self.fid = fid
+        self.refs = 1
+        self.backing_id = 0
+        self.tier: FileStore | None = None
+        self.eid = b""
 
 
 class Nodes:
@@ -199,6 +214,12 @@ class CachefsFS(Operations):
         self.core = core
         self.config = config
         self.want_no_open = self.zero_message_open = config.zero_message_open
+        self.want_passthrough = config.passthrough != "off" and config.zero_message_open
+        self.passthrough = False  # decided once the kernel has answered INIT (start_serving)
+        self._opens: dict[int, _NodeOpen] = {}  # node id -> how its open files are served
+        self._open_locks: dict[int, threading.Lock] = {}
+        self._opens_lock = threading.Lock()
+        self._refused_logged = False
         self._info = info or {}
         self._owner = os.getuid()
         self.nodes = Nodes()
@@ -206,6 +227,7 @@ class CachefsFS(Operations):
         # --open-per-handle: each open pins the file's identity, so one handle never mixes
         # blocks of two versions of a file.
         self._handles: dict[int, FileId] = {}
+        self._fetched: dict[int, bytes] = {}  # handle -> the file's bytes, fetched at open, no tier kept
         self._next_fh = itertools.count(1)
         self._changed: queue.Queue[str] = queue.Queue()
         self._errors = ErrorLog()
@@ -233,8 +255,47 @@ class CachefsFS(Operations):
         self.core.stats.set_info(zero_message_open=self.zero_message_open)
         threading.Thread(target=self._invalidate_loop, name="cachefs-invalidate", daemon=True).start()
 
+    def start_serving(self, conn: Connection) -> None:
+        """After INIT: choose how opens are served (see config.PASSTHROUGH_MODES), testing
+        that this daemon may register backing files (CAP_SYS_ADMIN)."""
+        mode = self.config.passthrough
+        usable = self.want_passthrough and conn.passthrough and self._probe_backing()
+        if usable or (mode == "on" and self.want_passthrough):
+            self.passthrough, self.zero_message_open = True, False
+        if mode == "on" and self.want_passthrough and not usable:
+            why = ("the kernel does not offer it" if not conn.passthrough
+                   else "this daemon may not register backing files (it needs CAP_SYS_ADMIN)")
+            log.warning("--passthrough on: %s; every open is served by the daemon", why)
+        chosen = "passthrough" if usable else "zero-message" if self.zero_message_open else "daemon"
+        self.core.stats.set_info(zero_message_open=self.zero_message_open, opens=chosen)
+        log.info("opens: %s", chosen)
+
+    def _probe_backing(self) -> bool:
+        """Whether the kernel takes a backing file from us (EPERM without CAP_SYS_ADMIN)."""
+        assert self.session is not None
+        probe = os.path.join(self.core.cache.ram.directory, ".backing-probe")
+        try:
+            fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except OSError:
+            return False
+        try:
+            backing_id = self.session.backing_open(fd)
+            self.session.backing_close(backing_id)
+            return True
+        except OSError as exc:
+            log.info("passthrough unavailable: registering a backing file failed (%s)", exc.strerror)
+            return False
+        finally:
+            os.close(fd)
+            os.unlink(probe)
+
     def destroy(self) -> None:
         self._changed.put("")  # stops the invalidation thread
+        with self._opens_lock:
+            opens, self._opens = self._opens, {}
+        for state in opens.values():
+            if state.tier is not None:
+                state.tier.release(state.eid)
 
     def observe(self, op: str, seconds: float, code: int) -> None:
         """The session's per-request observer: requests and time per operation."""
@@ -301,7 +362,9 @@ class CachefsFS(Operations):
     def opendir(self, req: Request, nodeid: int, flags: int) -> Opened:
         if not self.core.getattr(self.nodes.path(nodeid)).is_dir:
             raise FuseError(errno.ENOTDIR)
-        return Opened()
+        # The kernel keeps the listing (until the directory's attributes change): an epoch
+        # after the first lists no directory again.
+        return Opened(0, p.FOPEN_CACHE_DIR | p.FOPEN_KEEP_CACHE)
 
     @_fuse_op
     def readdir(self, req: Request, nodeid: int, fh: int) -> list[DirItem]:
@@ -323,17 +386,107 @@ class CachefsFS(Operations):
         if self.zero_message_open:
             # ENOSYS here means "success, and do not ask again" (FUSE_NO_OPEN_SUPPORT).
             raise FuseError(errno.ENOSYS)
+        fid = self.core.file_id(self.nodes.path(nodeid))  # ENOENT/EISDIR now, not at the first read
+        if not self.passthrough:
+            fh = next(self._next_fh)
+            self._handles[fh] = fid
+            self.core.stats.incr("opens.daemon")
+            return Opened(fh, p.FOPEN_KEEP_CACHE)
+        with self._node_lock(nodeid):
+            return self._open_passthrough(nodeid, fid)
+
+    def _node_lock(self, nodeid: int) -> threading.Lock:
+        with self._opens_lock:
+            lock = self._open_locks.get(nodeid)
+            if lock is None:
+                lock = self._open_locks[nodeid] = threading.Lock()
+            return lock
+
+    def _open_passthrough(self, nodeid: int, fid: FileId) -> Opened:
+        """One open in passthrough mode (the node's lock held). The kernel allows one
+        backing file per inode at a time, and no cached opens beside passthrough ones
+        (EIO, ETXTBSY): every open of a node is served the way its first open still held is."""
+        assert self.session is not None
         fh = next(self._next_fh)
-        self._handles[fh] = self.core.file_id(self.nodes.path(nodeid))  # ENOENT/EISDIR now
+        state = self._opens.get(nodeid)
+        if state is not None:
+            state.refs += 1
+            if state.backing_id:
+                # the version the first open got, until the last one closes: a handle
+                # reads one version, whole
+                self._handles[fh] = state.fid
+                self.core.open_file(state.fid, fill=False)  # counted as the tier's hits
+                self.core.stats.incr("opens.passthrough")
+                return Opened(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, state.backing_id)
+            self._handles[fh] = fid
+            self.core.stats.incr("opens.daemon")
+            return Opened(fh, p.FOPEN_KEEP_CACHE)
+        backing, fetched = self.core.open_file(fid)
+        if fetched is not None:
+            self._fetched[fh] = fetched
+        state = _NodeOpen(fid)
+        if backing is not None:
+            eid = self.core.entry_id(fid)
+            if backing.tier.acquire(eid):
+                try:
+                    fd = os.open(backing.path, os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        state.backing_id = self.session.backing_open(fd)
+                    finally:
+                        os.close(fd)
+                    state.tier, state.eid = backing.tier, eid
+                except OSError as exc:
+                    backing.tier.release(eid)
+                    self._backing_refused(exc)
+        with self._opens_lock:
+            self._opens[nodeid] = state
+        self._handles[fh] = fid
+        if state.backing_id:
+            self.core.stats.incr("opens.passthrough")
+            return Opened(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, state.backing_id)
+        self.core.stats.incr("opens.daemon")
         return Opened(fh, p.FOPEN_KEEP_CACHE)
+
+    def _backing_refused(self, exc: OSError) -> None:
+        self.core.stats.incr("opens.fallback")
+        if not self._refused_logged:
+            self._refused_logged = True
+            log.warning("the kernel refused a backing file (%s); such opens are served by the daemon",
+                        exc.strerror)
 
     @_fuse_op
     def read(self, req: Request, nodeid: int, fh: int, offset: int, size: int) -> bytes:
+        fetched = self._fetched.get(fh)
+        if fetched is not None:
+            chunk = fetched[offset:offset + size]
+            self.core.stats.add_many({"reads.requests": 1, "reads.bytes": len(chunk),
+                                      "source.served_bytes": len(chunk)})
+            return chunk
         return self.core.read(self.nodes.path(nodeid), offset, size, fid=self._handles.get(fh))
 
     @_fuse_op
     def release(self, req: Request, nodeid: int, fh: int) -> None:
         self._handles.pop(fh, None)
+        self._fetched.pop(fh, None)
+        if not self.passthrough:
+            return
+        with self._node_lock(nodeid):
+            state = self._opens.get(nodeid)
+            if state is None:
+                return
+            state.refs -= 1
+            if state.refs > 0:
+                return
+            with self._opens_lock:
+                del self._opens[nodeid]
+                self._open_locks.pop(nodeid, None)
+        if state.backing_id and self.session is not None:
+            try:
+                self.session.backing_close(state.backing_id)
+            except OSError as exc:
+                log.debug("closing backing id %d failed: %s", state.backing_id, exc)
+        if state.tier is not None:
+            state.tier.release(state.eid)
 
     # -- extended attributes and the control interface -------------------------------------
 

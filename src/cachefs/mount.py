@@ -499,6 +499,7 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
                                observer=fs.observe)
         stop = _stop_on_signals(config.mountpoint, session)
         session.negotiate()
+        fs.start_serving(session.conn)
         session.start()
         threading.Thread(target=tune_readahead, args=(config.mountpoint,), daemon=True).start()
         if config.warm:

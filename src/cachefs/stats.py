@@ -52,6 +52,7 @@ COUNTERS: tuple[str, ...] = (
     "prefetch.dropped", "prefetch.errors", "prefetch.dirs",
     "warm.files_loaded", "warm.bytes_loaded",
     "reads.requests", "reads.bytes", "reads.inflight_waits",
+    "opens.passthrough", "opens.daemon", "opens.fallback", "opens.filled",
     "hint.sessions_opened", "hint.paths", "hint.from_ram", "hint.from_disk", "hint.from_source", "hint.bytes",
     "hint.used", "hint.expired", "hint.skipped", "hint.window_full", "hint.errors", "hint.left_on_disk",
 )

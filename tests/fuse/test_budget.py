@@ -112,6 +112,8 @@ def test_steady_epochs_read_only_the_uncached_share_from_the_source(tmp_path, mo
     held = stats(mp)["disk"]["entries"] * (128 << 10)  # bytes of the dataset on NVMe
     assert held >= 0.75 * 4 * MiB  # the rest of the budget: SQLite's pages and log (fixed)
     expected = total - held
+    both = expected - stats(mp)["ram"]["entries"] * (128 << 10)  # RAM holding blocks NVMe does not
     for got in per_epoch[2:]:
-        # within 5% of the dataset of the optimum (1 - cache/dataset) x dataset
-        assert abs(got - expected) <= 0.05 * total, (per_epoch, expected)
+        # the optimum (1 - cache/dataset) x dataset, within 5% of the dataset; the cache is
+        # the NVMe tier, or both tiers once they drift apart (see docs/design.md)
+        assert both - 0.05 * total <= got <= expected + 0.05 * total, (per_epoch, expected, both)

@@ -114,7 +114,8 @@ def test_a_file_deleted_on_the_source_after_its_stat_fails_cleanly(tmp_path, mou
     mp = mounts.cachefs(str(src), extra=("--readahead", "off"))
     os.stat(mp / "x")                                               # the kernel trusts its entry
     (src / "x").unlink()
-    assert read_errno(mp / "x")[0] == errno.ESTALE                  # the handle's file is gone
+    # zero-message opens: the read finds it gone (ESTALE); passthrough: the open does (ENOENT)
+    assert read_errno(mp / "x")[0] in (errno.ESTALE, errno.ENOENT)
     deadline = time.monotonic() + 5
     while os.path.exists(mp / "x") and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -122,7 +123,7 @@ def test_a_file_deleted_on_the_source_after_its_stat_fails_cleanly(tmp_path, mou
         os.stat(mp / "x")
     assert read(mp / "y") == b"y" * 10_000                         # the daemon goes on
     fault_report("file deleted on the source after the kernel cached its stat",
-                 "ESTALE, then ENOENT; other files served", f"source.changed={stats(mp)['source'].get('changed', 0)}")
+                 "ESTALE or ENOENT, then ENOENT; other files served", f"source.changed={stats(mp)['source'].get('changed', 0)}")
 
 
 def _sha(data):
