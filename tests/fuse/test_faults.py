@@ -123,7 +123,8 @@ def test_a_file_deleted_on_the_source_after_its_stat_fails_cleanly(tmp_path, mou
         os.stat(mp / "x")
     assert read(mp / "y") == b"y" * 10_000                         # the daemon goes on
     fault_report("file deleted on the source after the kernel cached its stat",
-                 "ESTALE or ENOENT, then ENOENT; other files served", f"source.changed={stats(mp)['source'].get('changed', 0)}")
+                 "ESTALE or ENOENT, then ENOENT; other files served",
+                 f"source.changed={stats(mp)['source'].get('changed', 0)}")
 
 
 def _sha(data):
