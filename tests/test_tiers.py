@@ -227,8 +227,9 @@ def test_after_an_unclean_stop_each_block_is_checked_once_before_it_is_served(di
     good, bad = os.urandom(50_000), os.urandom(50_000)
     put(t, 1, good)
     put(t, 2, bad)
+    t.flush()                                                # the index lines reached the disk ...
     t._stop.set()
-    os.close(t._log_fd)                                      # a kill -9: no clean mark
+    os.close(t._log_fd)                                      # ... then a kill -9: no clean mark
     t._log_fd = -1
     with open(t.file_of(eid(2).hex()), "r+b") as f:          # a torn write, bit rot
         f.seek(1000)
@@ -244,12 +245,26 @@ def test_after_an_unclean_stop_each_block_is_checked_once_before_it_is_served(di
 def test_an_empty_file_after_a_crash_is_never_passed_through(disk):
     t = disk()
     put(t, 1, os.urandom(50_000))
+    t.flush()
     t._stop.set()
     os.close(t._log_fd)
     t._log_fd = -1
     os.truncate(t.file_of(eid(1).hex()), 0)                  # renamed in, data never written back
     t2 = disk()
     assert t2.backing_file(eid(1)) is None and t2.entry(eid(1)) is None
+
+
+def test_blocks_whose_index_lines_a_kill_lost_are_deleted_at_start(disk):
+    t = disk()
+    put(t, 1, b"x" * 5000)
+    t.flush()
+    put(t, 2, b"y" * 5000)                                   # its line still waits in memory
+    t._stop.set()
+    os.close(t._log_fd)                                      # kill -9
+    t._log_fd = -1
+    t2 = disk()
+    assert t2.get((eid(1), 0)) == b"x" * 5000 and t2.entry(eid(2)) is None
+    assert not os.path.exists(t2.file_of(eid(2).hex()))     # an unrecorded file: deleted
 
 
 def test_the_scrub_finds_bit_rot_in_a_trusted_block(disk):

@@ -347,13 +347,18 @@ class Core:
         eid = entry_id(self.namespace, fid, self.block_size)
         found = self.cache.backing(eid)
         if found is None and fill and 0 < fid.size <= self.whole_file_max:
+            # Written once: to NVMe where there is an NVMe tier (RAM takes it when it is
+            # opened again and fits, see promote), else to RAM.
+            to_ram = self.cache.disk is None
             with self._reading_guard(fid.path):
-                parts = [self._block(fid, index)[0] for index in range(block_count(fid.size, self.block_size))]
+                parts = [self._block(fid, index, to_ram)[0] for index in range(block_count(fid.size, self.block_size))]
             self.stats.incr("opens.filled")
             found = self.cache.backing(eid)
             if found is None:
                 return None, parts[0] if len(parts) == 1 else b"".join(parts)
         elif found is not None:
+            if found.tier is not self.cache.ram:
+                found = self.cache.promote(eid, found) or found
             n = block_count(fid.size, self.block_size)
             hits = {"ram.hits": n, "ram.served_bytes": fid.size} if found.tier is self.cache.ram else \
                 {"ram.misses": n, "disk.hits": n, "disk.served_bytes": fid.size}
@@ -392,7 +397,9 @@ class Core:
         self.stats.add_many(served)
         return out
 
-    def _block(self, fid: FileId, index: int) -> tuple[bytes, str]:
+    def _block(self, fid: FileId, index: int, to_ram: bool = True) -> tuple[bytes, str]:
+        """One block for a reader: RAM, NVMe, or the source (single flight); `to_ram`: a
+        block from the source is offered to RAM too (not for passthrough fills: see open_file)."""
         key = block_key(self.namespace, fid, index, self.block_size)
         data = self.cache.ram.get(key)
         if data is not None:
@@ -404,7 +411,7 @@ class Core:
             pending, owner = self._claim(key)
             if owner:
                 self.stats.incr("ram.misses")
-                result = self._run_owned(key, pending, lambda: self._fetch(key, fid, index))
+                result = self._run_owned(key, pending, lambda: self._fetch(key, fid, index, to_ram))
             else:
                 result = self._wait(pending)
                 # Counted where the shared fetch found the block: a read that waited for
@@ -451,7 +458,7 @@ class Core:
             with self._inflight_lock:
                 del self._inflight[key]
 
-    def _fetch(self, key: BlockKey, fid: FileId, index: int) -> tuple[bytes, str]:
+    def _fetch(self, key: BlockKey, fid: FileId, index: int, to_ram: bool = True) -> tuple[bytes, str]:
         # Again under ownership: the previous owner may have finished between our RAM
         # miss and taking the key, and its NVMe write may still be queued.
         data = self.cache.ram.peek(key)
@@ -461,7 +468,7 @@ class Core:
         if data is not None:
             return data, "disk"
         data = self._fetch_source(fid, index)
-        self.cache.put(key, data, self.entry_info(fid))
+        self.cache.put(key, data, self.entry_info(fid), to_ram=to_ram)
         return data, "source"
 
     def _version_gone(self, fid: FileId) -> None:

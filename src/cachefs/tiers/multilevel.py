@@ -14,6 +14,7 @@ It is also the core's one view of the cache: whole files for passthrough come fr
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 from cachefs.stats import Stats
@@ -49,12 +50,39 @@ class MultiLevelCache:
             self._stats.incr("ram.promotions")
         return data
 
-    def put(self, key: BlockKey, data: bytes, info: EntryInfo, evict: bool = True) -> bool:
-        """Store a block in RAM and on NVMe. With evict=False (read-ahead, warming) each tier
-        takes it only if it fits without evicting; returns whether any did."""
-        in_ram = self.ram.put(key, data, info, evict)
+    def put(self, key: BlockKey, data: bytes, info: EntryInfo, evict: bool = True, to_ram: bool = True) -> bool:
+        """Store a block in RAM and on NVMe (`to_ram` False: on NVMe only). With evict=False
+        (read-ahead, warming) each tier takes it only if it fits without evicting; returns
+        whether any did."""
+        in_ram = self.ram.put(key, data, info, evict) if to_ram else False
         on_disk = self.disk.put(key, data, info, evict) if self.disk is not None else False
         return in_ram or on_disk
+
+    def promote(self, eid: bytes, found: Backing) -> Backing | None:
+        """Copy a whole file from NVMe into RAM when RAM has free room for it (an open of a
+        file filled for passthrough, which went to NVMe only); its RAM copy, or None."""
+        e = found.tier.entry(eid)
+        info = found.tier.info_of(eid)
+        if e is None or info is None or not self.ram.has_room(e.size):
+            return None
+        try:
+            fd = os.open(found.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return None
+        try:
+            for index in range(len(e.hashes)):
+                offset, length = e.extent(index)
+                data = os.pread(fd, length, offset)
+                if len(data) != length or not self.ram.put((eid, index), data, info, evict=False):
+                    return None
+            # the NVMe copy's pages would be a second copy in memory: the kernel reads RAM's now
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+        self._stats.incr("ram.promotions")
+        return self.backing(eid)
 
     def has_room(self, size: int) -> bool:
         return self.ram.has_room(size) or (self.disk is not None and self.disk.has_room(size))
