@@ -9,6 +9,7 @@ import pytest
 from cachefs.config import Config
 from cachefs.fs import CachefsFS
 from cachefs.fuse import FuseError
+from cachefs.fuse import protocol as p
 from cachefs.fuse.session import Request
 from cachefs.memsource import MemorySource
 from tests.helpers import make_core
@@ -23,7 +24,8 @@ class Ops:
         self.fs, self.core = fs, fs.core
 
     def read(self, path, size, offset, fh):
-        nodeid = self.fs.lookup(REQ, 1, path.lstrip("/").encode()).nodeid
+        entry = self.fs.lookup(REQ, 1, path.lstrip("/").encode())          # packed fuse_entry_out
+        nodeid = p.ENTRY_OUT.unpack_from(entry)[0]
         return self.fs.read(REQ, nodeid, 0, offset, size)
 
 

@@ -83,7 +83,8 @@ def source_namespace(source_root: str) -> bytes:
 
 
 class _TTLCache:
-    """A bounded LRU of path -> (expiry, value). Values may be an errno (negative entry)."""
+    """A bounded map of path -> (expiry, value), the oldest stored dropped first. Values may
+    be an errno (negative entry)."""
 
     def __init__(self, max_entries: int, clock: Callable[[], float]):
         self._data: OrderedDict[str, tuple[float, object]] = OrderedDict()
@@ -92,12 +93,12 @@ class _TTLCache:
         self._lock = threading.Lock()
 
     def get(self, key: str) -> object | None:
-        with self._lock:
-            hit = self._data.get(key)
-            if hit is None or hit[0] < self._clock():
-                return None  # an expired entry stays, for get_stale, until pushed out
-            self._data.move_to_end(key)
-            return hit[1]
+        # No lock and no reordering: a lookup is a dict read (atomic), and the entries are
+        # dropped oldest-stored first (put moves an entry to the end).
+        hit = self._data.get(key)
+        if hit is None or hit[0] < self._clock():
+            return None  # an expired entry stays, for get_stale, until pushed out
+        return hit[1]
 
     def get_stale(self, key: str) -> object | None:
         """The entry even if expired: what to serve while the source does not answer."""
@@ -339,36 +340,43 @@ class Core:
 
     def open_file(self, fid: FileId, fill: bool = True) -> tuple[Backing | None, bytes | None]:
         """For an open in passthrough mode: a complete cached copy of this file version that
-        the kernel may read directly, RAM first; its blocks count as hits of that tier, once
-        per open. A cold file up to WHOLE_FILE_MAX is fetched whole first when `fill` (as a
-        reader's misses: single flight, counted, stored in both tiers). When no tier kept
-        it (both full), its bytes come back instead, for the daemon to serve this open from:
-        nothing fetched is fetched twice. (None, None): serve it block by block."""
+        the kernel may read directly, RAM first, held (its tier's acquire()) until the
+        caller releases it; its blocks count as hits of that tier, once per open. A cold
+        file up to WHOLE_FILE_MAX is fetched whole first when `fill` (as a reader's misses:
+        single flight, counted, stored). When no tier kept it (both full), its bytes come
+        back instead, for the daemon to serve this open from: nothing fetched is fetched
+        twice. (None, None): serve it block by block."""
         eid = entry_id(self.namespace, fid, self.block_size)
-        found = self.cache.backing(eid)
-        if found is None and fill and 0 < fid.size <= self.whole_file_max:
-            # Written once: to NVMe where there is an NVMe tier (RAM takes it when it is
-            # opened again and fits, see promote), else to RAM.
-            to_ram = self.cache.disk is None
-            with self._reading_guard(fid.path):
-                parts = [self._block(fid, index, to_ram)[0] for index in range(block_count(fid.size, self.block_size))]
-            self.stats.incr("opens.filled")
-            found = self.cache.backing(eid)
-            if found is None:
-                return None, parts[0] if len(parts) == 1 else b"".join(parts)
-        elif found is not None:
-            if found.tier is not self.cache.ram:
-                found = self.cache.promote(eid, found) or found
+        cache = self.cache
+        promoted = False
+        if cache.disk is not None and cache.ram.policy.has_room(fid.size) and 0 < fid.size <= self.whole_file_max:
+            found = cache.backing(eid)  # on NVMe, and RAM has room: RAM takes it (see promote)
+            if found is not None and found.tier is not cache.ram:
+                promoted = cache.promote(eid, found) is not None
+        found = cache.acquire_backing(eid)
+        if found is not None:
             n = block_count(fid.size, self.block_size)
-            hits = {"ram.hits": n, "ram.served_bytes": fid.size} if found.tier is self.cache.ram else \
-                {"ram.misses": n, "disk.hits": n, "disk.served_bytes": fid.size}
-            self.stats.add_many(hits)
-            for index in range(n):  # what a read of each block tells read-ahead and hints
-                key = (eid, index)
-                if self._ahead:
-                    self._note_used(key)
-                if self.hints is not None and self.hints.holding:
-                    self.hints.on_read(key)
+            from_ram = found.tier is cache.ram and not promoted  # a promoted file came from NVMe
+            self.stats.add_many({"ram.hits": n, "ram.served_bytes": fid.size} if from_ram else
+                                {"ram.misses": n, "disk.hits": n, "disk.served_bytes": fid.size})
+            if self._ahead or (self.hints is not None and self.hints.holding):
+                for index in range(n):  # what a read of each block tells read-ahead and hints
+                    if self._ahead:
+                        self._note_used((eid, index))
+                    if self.hints is not None and self.hints.holding:
+                        self.hints.on_read((eid, index))
+            return found, None
+        if not fill or not 0 < fid.size <= self.whole_file_max:
+            return None, None
+        # Written once: to NVMe where there is an NVMe tier (RAM takes it when it is opened
+        # again and fits, see promote), else to RAM.
+        to_ram = cache.disk is None
+        with self._reading_guard(fid.path):
+            parts = [self._block(fid, index, to_ram)[0] for index in range(block_count(fid.size, self.block_size))]
+        self.stats.incr("opens.filled")
+        found = cache.acquire_backing(eid)
+        if found is None:
+            return None, parts[0] if len(parts) == 1 else b"".join(parts)
         return found, None
 
     def entry_id(self, fid: FileId) -> bytes:

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from cachefs.blocks import FileId
-from cachefs.config import Config
+from cachefs.config import BACKING_CACHE, Config
 from cachefs.core import Core
 from cachefs.errors import to_errno
 from cachefs.fuse import protocol as p
@@ -55,6 +55,9 @@ log = logging.getLogger(__name__)
 CONTROL_PREFIX = "user.cachefs."
 XATTR_STATS = CONTROL_PREFIX + "stats"
 XATTR_INFO = CONTROL_PREFIX + "info"
+
+# Locks the opens of a node take (striped by node id): one open of a file at a time
+NODE_LOCKS = 64
 
 # Seconds between a changed file's last old read returning and the kernel being told to
 # drop its pages (twice): time for the reply of that read to land in the page cache.
@@ -119,6 +122,98 @@ class _NodeOpen:
         self.backing_id = 0
         self.tier: FileStore | None = None
         self.eid = b""
+
+
+class _Backings:
+    """Backing files registered with the kernel (FUSE_DEV_IOC_BACKING_OPEN), by entry. One
+    stays registered after the last open of its file closes (up to BACKING_CACHE idle ones,
+    the least recently used closed first): registering cost an open about 35 us of CPU, and
+    the next epoch opens the same files again. Each registered file is held in its tier
+    (acquire), so no hole is punched under the kernel; when a tier drops the entry anyway,
+    its id is closed at once, or at its last close."""
+
+    def __init__(self, session: Session, limit: int):
+        self._session = session
+        self._limit = limit
+        self._ids: dict[bytes, list] = {}  # eid -> [backing id, tier, opens, doomed]
+        self._idle: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, eid: bytes, tier: FileStore, path: str) -> int:
+        """A backing id for the entry's file, counted as one more open. OSError if the
+        kernel refuses it."""
+        with self._lock:
+            rec = self._ids.get(eid)
+            if rec is not None and not rec[3]:
+                rec[2] += 1
+                self._idle.pop(eid, None)
+                return int(rec[0])
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            backing_id = self._session.backing_open(fd)
+        finally:
+            os.close(fd)
+        tier.acquire(eid)
+        with self._lock:
+            rec = self._ids.get(eid)
+            if rec is None or rec[3]:
+                self._ids[eid] = [backing_id, tier, 1, False]
+                return backing_id
+            rec[2] += 1  # registered by another open meanwhile: use that one
+            self._idle.pop(eid, None)
+        self._close(backing_id, tier, eid)
+        return int(rec[0])
+
+    def put(self, eid: bytes) -> None:
+        """An open of the entry's file closed."""
+        closing = []
+        with self._lock:
+            rec = self._ids.get(eid)
+            if rec is None:
+                return
+            rec[2] -= 1
+            if rec[2] > 0:
+                return
+            if rec[3]:
+                del self._ids[eid]
+                closing.append((eid, rec))
+            else:
+                self._idle[eid] = None
+                while len(self._idle) > self._limit:
+                    old, _ = self._idle.popitem(last=False)
+                    closing.append((old, self._ids.pop(old)))
+        for key, r in closing:
+            self._close(r[0], r[1], key)
+
+    def dropped(self, eid: bytes) -> None:
+        """The tier dropped the entry: close its id now, or at its last close."""
+        with self._lock:
+            rec = self._ids.get(eid)
+            if rec is None:
+                return
+            if rec[2] > 0:
+                rec[3] = True
+                return
+            del self._ids[eid]
+            self._idle.pop(eid, None)
+        self._close(rec[0], rec[1], eid)
+
+    def _close(self, backing_id: int, tier: FileStore, eid: bytes) -> None:
+        try:
+            self._session.backing_close(backing_id)
+        except OSError as exc:
+            log.debug("closing backing id %d failed: %s", backing_id, exc)
+        tier.release(eid)
+
+    def close_all(self) -> None:
+        with self._lock:
+            recs, self._ids = self._ids, {}
+            self._idle.clear()
+        for eid, rec in recs.items():
+            self._close(rec[0], rec[1], eid)
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 class Nodes:
@@ -217,9 +312,10 @@ class CachefsFS(Operations):
         self.want_passthrough = config.passthrough != "off" and config.zero_message_open
         self.passthrough = False  # decided once the kernel has answered INIT (start_serving)
         self._opens: dict[int, _NodeOpen] = {}  # node id -> how its open files are served
-        self._open_locks: dict[int, threading.Lock] = {}
+        self._open_locks = [threading.Lock() for _ in range(NODE_LOCKS)]
         self._opens_lock = threading.Lock()
         self._refused_logged = False
+        self._backings: _Backings | None = None
         self._info = info or {}
         self._owner = os.getuid()
         self.nodes = Nodes()
@@ -232,6 +328,7 @@ class CachefsFS(Operations):
         self._changed: queue.Queue[str] = queue.Queue()
         self._errors = ErrorLog()
         self._ttl = config.metadata_ttl
+        self._valid = p.split_timeout(config.metadata_ttl)
         self._negative_ttl = config.negative_ttl
         core.on_source_changed = self._source_changed
 
@@ -262,6 +359,12 @@ class CachefsFS(Operations):
         usable = self.want_passthrough and conn.passthrough and self._probe_backing()
         if usable or (mode == "on" and self.want_passthrough):
             self.passthrough, self.zero_message_open = True, False
+        if usable and self.session is not None:
+            self._backings = _Backings(self.session, BACKING_CACHE)
+            for tier in (self.core.cache.ram, self.core.cache.disk):
+                if tier is not None:
+                    tier.on_drop.append(self._backings.dropped)
+            self.core.stats.gauge("opens.backing_files", lambda: len(self._backings or ()))
         if mode == "on" and self.want_passthrough and not usable:
             why = ("the kernel does not offer it" if not conn.passthrough
                    else "this daemon may not register backing files (it needs CAP_SYS_ADMIN)")
@@ -296,6 +399,8 @@ class CachefsFS(Operations):
         for state in opens.values():
             if state.tier is not None:
                 state.tier.release(state.eid)
+        if self._backings is not None:
+            self._backings.close_all()
 
     def observe(self, op: str, seconds: float, code: int) -> None:
         """The session's per-request observer: requests and time per operation."""
@@ -335,15 +440,15 @@ class CachefsFS(Operations):
     # -- metadata ----------------------------------------------------------------------------
 
     @_fuse_op
-    def lookup(self, req: Request, parent: int, name: bytes) -> Entry:
+    def lookup(self, req: Request, parent: int, name: bytes) -> Entry | bytes:
         path = self.nodes.child(parent, name)
         try:
-            attr = self.core.getattr(path)
+            a = self.core.getattr(path)
         except FileNotFoundError:
             # a negative entry: the kernel remembers "no such file" for --negative-ttl
             return Entry(0, p.Attr(0, 0, 0, 0, 0, 0, 0, 0, 0), self._negative_ttl, 0)
-        nodeid = self.nodes.add(path)
-        return Entry(nodeid, to_fuse_attr(attr), self._ttl, self._ttl)
+        return p.pack_entry_of(self.nodes.add(path), a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
+                               a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
 
     def forget(self, nodeid: int, nlookup: int) -> None:
         self.nodes.forget(nodeid, nlookup)
@@ -396,11 +501,8 @@ class CachefsFS(Operations):
             return self._open_passthrough(nodeid, fid)
 
     def _node_lock(self, nodeid: int) -> threading.Lock:
-        with self._opens_lock:
-            lock = self._open_locks.get(nodeid)
-            if lock is None:
-                lock = self._open_locks[nodeid] = threading.Lock()
-            return lock
+        """The lock serializing the opens of one node (striped: one of NODE_LOCKS)."""
+        return self._open_locks[nodeid % NODE_LOCKS]
 
     def _open_passthrough(self, nodeid: int, fid: FileId) -> Opened:
         """One open in passthrough mode (the node's lock held). The kernel allows one
@@ -415,7 +517,9 @@ class CachefsFS(Operations):
                 # the version the first open got, until the last one closes: a handle
                 # reads one version, whole
                 self._handles[fh] = state.fid
-                self.core.open_file(state.fid, fill=False)  # counted as the tier's hits
+                again, _ = self.core.open_file(state.fid, fill=False)  # counted as the tier's hits
+                if again is not None:
+                    again.tier.release(state.eid)
                 self.core.stats.incr("opens.passthrough")
                 return Opened(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, state.backing_id)
             self._handles[fh] = fid
@@ -427,17 +531,13 @@ class CachefsFS(Operations):
         state = _NodeOpen(fid)
         if backing is not None:
             eid = self.core.entry_id(fid)
-            if backing.tier.acquire(eid):
-                try:
-                    fd = os.open(backing.path, os.O_RDONLY | os.O_CLOEXEC)
-                    try:
-                        state.backing_id = self.session.backing_open(fd)
-                    finally:
-                        os.close(fd)
-                    state.tier, state.eid = backing.tier, eid
-                except OSError as exc:
-                    backing.tier.release(eid)
-                    self._backing_refused(exc)
+            try:
+                assert self._backings is not None
+                state.backing_id = self._backings.get(eid, backing.tier, backing.path)
+                state.tier, state.eid = backing.tier, eid
+            except OSError as exc:
+                backing.tier.release(eid)
+                self._backing_refused(exc)
         with self._opens_lock:
             self._opens[nodeid] = state
         self._handles[fh] = fid
@@ -479,12 +579,8 @@ class CachefsFS(Operations):
                 return
             with self._opens_lock:
                 del self._opens[nodeid]
-                self._open_locks.pop(nodeid, None)
-        if state.backing_id and self.session is not None:
-            try:
-                self.session.backing_close(state.backing_id)
-            except OSError as exc:
-                log.debug("closing backing id %d failed: %s", state.backing_id, exc)
+        if state.backing_id and self._backings is not None:
+            self._backings.put(state.eid)
         if state.tier is not None:
             state.tier.release(state.eid)
 

@@ -83,7 +83,9 @@ def test_nvme_tier_never_exceeds_its_budget_while_3x_the_budget_is_read(tmp_path
     else:
         assert s["disk"].get("evictions", 0) == 0  # it filled up, then kept what it had
         assert s["disk"]["refused"] > 0
-        assert s["ram"]["refused"] > 0
+        assert s["ram"]["evictions"] == 0
+        if s["info"]["opens"] != "passthrough":  # (passthrough fills go to NVMe; RAM takes what fits)
+            assert s["ram"]["refused"] > 0
     assert s["info"]["policy"] == {"ram": policy, "disk": policy}
 
 

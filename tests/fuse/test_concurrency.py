@@ -91,7 +91,9 @@ def test_32_readers_threads_and_processes_against_the_model(tmp_path, mounts, fa
     assert sum(r[2] for r in results) == 0 and reads == 32 * OPS
     s = stats(mp)
     assert s["fuse"].get("errors", 0) == 0
-    assert s["ram"]["used_bytes"] <= ram and s["ram"].get("evictions", 0) + s["ram"].get("refused", 0) > 0
+    assert s["ram"]["used_bytes"] <= ram
+    if s["info"]["opens"] != "passthrough":  # (passthrough fills go to NVMe; RAM takes what fits)
+        assert s["ram"]["evictions"] + s["ram"]["refused"] > 0
     # Descriptors: the FUSE threads' cloned ones, the tiers' caches of open entry files
     # (FD_CACHE each), a few more. A leak grows past that with every burst of reads.
     from cachefs.tiers.store import FD_CACHE

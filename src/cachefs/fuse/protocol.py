@@ -146,6 +146,21 @@ def pack_entry(nodeid: int, attr: Attr, entry_timeout: float, attr_timeout: floa
     return ENTRY_OUT.pack(nodeid, generation, es, as_, ens, ans) + pack_attr(attr)
 
 
+_ENTRY_ATTR = struct.Struct("<QQQQII" + ATTR.format[1:])  # entry_out and its attr, in one pack
+
+
+def pack_entry_of(nodeid: int, ino: int, mode: int, nlink: int, uid: int, gid: int, size: int, atime_ns: int,
+                  mtime_ns: int, ctime_ns: int, blocks: int, rdev: int, valid: tuple[int, int],
+                  blksize: int = 1 << 20) -> bytes:
+    """pack_entry() from the fields themselves, the entry and attribute timeouts both
+    `valid` (seconds, nanoseconds): one struct pack for the hot path of a lookup."""
+    s, ns = valid
+    return _ENTRY_ATTR.pack(nodeid, 0, s, s, ns, ns, ino, size, blocks, atime_ns // 1_000_000_000,
+                            mtime_ns // 1_000_000_000, ctime_ns // 1_000_000_000, atime_ns % 1_000_000_000,
+                            mtime_ns % 1_000_000_000, ctime_ns % 1_000_000_000, mode, nlink, uid, gid, rdev,
+                            blksize, 0)
+
+
 def pack_attr_out(attr: Attr, attr_timeout: float) -> bytes:
     s, ns = split_timeout(attr_timeout)
     return ATTR_OUT.pack(s, ns, 0) + pack_attr(attr)

@@ -116,7 +116,8 @@ class Operations:
     def destroy(self) -> None:
         pass
 
-    def lookup(self, req: Request, parent: int, name: bytes) -> Entry:
+    def lookup(self, req: Request, parent: int, name: bytes) -> Entry | bytes:
+        """The entry (or, for speed, the packed fuse_entry_out: protocol.pack_entry_of)."""
         raise FuseError(errno.ENOSYS)
 
     def forget(self, nodeid: int, nlookup: int) -> None:
@@ -389,29 +390,35 @@ class Session:
         buf = bytearray(self._bufsize)
         view = memoryview(buf)
         cond = self._cond
-        while True:
-            with cond:
-                while self._active >= self.readers and not self._stopped.is_set():
-                    self._parked += 1
-                    cond.wait()
-                    self._parked -= 1
-                if self._stopped.is_set():
-                    break
-                self._active += 1
-            try:
+        stopped = self._stopped
+        handle = self.handle
+        serving = False  # whether this thread counts in _active
+        try:
+            while True:
+                with cond:  # once per request: leave the count, and take a place again
+                    if serving:
+                        self._active -= 1
+                        serving = False
+                    while self._active >= self.readers and not stopped.is_set():
+                        self._parked += 1
+                        cond.wait()
+                        self._parked -= 1
+                    if stopped.is_set():
+                        break
+                    self._active += 1
+                    serving = True
                 n = self._read_request(fd, buf)
                 if n is None:
                     break
-                self.handle(fd, view[:n])
-            except OSError as exc:
-                log.error("reading /dev/fuse failed: %s", exc)
-                break
-            finally:
-                with cond:
+                handle(fd, view[:n])
+        except OSError as exc:
+            log.error("reading /dev/fuse failed: %s", exc)
+        finally:
+            with cond:
+                if serving:
                     self._active -= 1
-        with cond:
-            self._stopped.set()
-            cond.notify_all()
+                stopped.set()
+                cond.notify_all()
 
     def handle(self, fd: int, message: memoryview) -> None:
         """Answer one request (a whole message as the kernel wrote it)."""
@@ -457,7 +464,9 @@ class Session:
             self.observer(p.OPCODE_NAMES.get(opcode, "unknown"), time.perf_counter() - start, code)
 
     def _reply(self, fd: int, unique: int, parts: list[Buffer]) -> None:
-        length = p.OUT_HEADER.size + sum(len(x) for x in parts)
+        length = p.OUT_HEADER.size
+        for x in parts:
+            length += len(x)
         try:
             os.writev(fd, [p.OUT_HEADER.pack(length, 0, unique), *parts])
         except OSError as exc:
@@ -506,6 +515,8 @@ class Session:
     def _lookup(self, req: Request, payload: memoryview) -> list[Buffer]:
         name = p.cstring(payload)
         e = self.ops.lookup(req, req.nodeid, name)
+        if isinstance(e, bytes):  # packed already (pack_entry_of)
+            return [e]
         return [p.pack_entry(e.nodeid, e.attr, e.entry_timeout, e.attr_timeout, e.generation)]
 
     def _forget(self, req: Request, payload: memoryview) -> None:
@@ -608,8 +619,12 @@ class Session:
             if item.name not in (b".", b".."):
                 try:  # counts as a lookup: the kernel will FORGET it
                     e = self.ops.lookup(req, req.nodeid, item.name)
-                    entry = p.pack_entry(e.nodeid, e.attr, e.entry_timeout, e.attr_timeout, e.generation)
-                    ino = e.attr.ino
+                    if isinstance(e, bytes):
+                        entry = e
+                        ino = p.ATTR.unpack_from(e, p.ENTRY_OUT.size)[0]
+                    else:
+                        entry = p.pack_entry(e.nodeid, e.attr, e.entry_timeout, e.attr_timeout, e.generation)
+                        ino = e.attr.ino
                 except (FuseError, OSError):
                     pass
             out.append(p.pack_direntplus(entry, ino, i + 1, item.name, item.mode))

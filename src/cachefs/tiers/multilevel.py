@@ -102,6 +102,15 @@ class MultiLevelCache:
         if self.disk is not None:
             self.disk.discard(key)
 
+    def acquire_backing(self, eid: bytes) -> Backing | None:
+        """backing() and the tier's acquire() in one step (release with the tier's release())."""
+        for tier in (self.ram, self.disk):
+            if tier is not None:
+                path = tier.acquire_backing(eid)
+                if path is not None:
+                    return Backing(tier, path)
+        return None
+
     def backing(self, eid: bytes) -> Backing | None:
         """A tier holding the whole file version `eid`, RAM first; None if none does."""
         for tier in (self.ram, self.disk):

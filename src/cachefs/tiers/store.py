@@ -154,6 +154,7 @@ class FileStore:
         self._direct = direct and self._probe_direct()
         self._fds = _Descriptors(self._open_read)
         self.on_evict: Callable[[BlockKey], None] | None = None  # told of every evicted block
+        self.on_drop: list[Callable[[bytes], None]] = []  # told of every entry dropped whole
         self.read_latency = 0.0  # seconds: moving average of a block read that hit
         self._made_dirs: set[str] = set()
 
@@ -172,7 +173,7 @@ class FileStore:
         return self.policy.used
 
     def file_of(self, name: str) -> str:
-        return os.path.join(self._data, name[:SUBDIR_CHARS], name)
+        return f"{self._data}/{name[:SUBDIR_CHARS]}/{name}"
 
     def _probe_direct(self) -> bool:
         probe = os.path.join(self._dir, ".direct-probe")
@@ -420,6 +421,8 @@ class FileStore:
                 pass
             except OSError as exc:
                 self._write_failed(exc)
+            for listener in self.on_drop:
+                listener(eid)
         else:
             offset, length = e.extent(index)
             try:
@@ -458,6 +461,27 @@ class FileStore:
         for index in unverified:  # once per entry after a start: read and compare each block
             if self._read((eid, index), buffered=True) is None:
                 return None
+        return self.file_of(e.name)
+
+    def acquire_backing(self, eid: bytes) -> str | None:
+        """backing_file() and acquire() in one: the path of the entry's file, held for the
+        kernel until release(); None if it is not complete (or fails its check)."""
+        with self._lock:
+            e = self._entries.get(eid)
+            if e is None or not e.complete or not self._usable():
+                return None
+            if not e.unverified:
+                return self._acquired(eid, e)
+        if self.backing_file(eid) is None:
+            return None
+        with self._lock:
+            e = self._entries.get(eid)
+            return None if e is None or not e.complete else self._acquired(eid, e)
+
+    def _acquired(self, eid: bytes, e: Entry) -> str:
+        e.users += 1
+        for i in range(len(e.hashes)):
+            self.policy.hit((eid, i))
         return self.file_of(e.name)
 
     def acquire(self, eid: bytes) -> bool:
