@@ -155,6 +155,9 @@ class Core:
         self.prefetcher = prefetcher
         self.source_timeout = source_timeout
         self.whole_file_max = whole_file_max
+        # Passthrough mode: files fetched whole (at open, or ahead of the job) are written
+        # to the NVMe tier only, where there is one (see open_file); set by cachefs.fs.
+        self.passthrough = False
         self._source_pool = (ThreadPoolExecutor(SOURCE_THREADS, thread_name_prefix="cachefs-source")
                              if source_timeout > 0 else None)
         self._down_since: float | None = None  # when the source stopped answering (monotonic)
@@ -348,8 +351,11 @@ class Core:
         twice. (None, None): serve it block by block."""
         eid = entry_id(self.namespace, fid, self.block_size)
         cache = self.cache
+        if self.dir_readahead is not None:
+            self.dir_readahead.touch(fid.path)  # its siblings are fetched ahead, as for a read
         promoted = False
-        if cache.disk is not None and cache.ram.policy.has_room(fid.size) and 0 < fid.size <= self.whole_file_max:
+        if (cache.disk is not None and cache.ram.policy.has_room(fid.size) and 0 < fid.size <= self.whole_file_max
+                and (eid, 0) not in self._ahead):  # a file fetched ahead is opened for the first time
             found = cache.backing(eid)  # on NVMe, and RAM has room: RAM takes it (see promote)
             if found is not None and found.tier is not cache.ram:
                 promoted = cache.promote(eid, found) is not None
@@ -370,7 +376,7 @@ class Core:
             return None, None
         # Written once: to NVMe where there is an NVMe tier (RAM takes it when it is opened
         # again and fits, see promote), else to RAM.
-        to_ram = cache.disk is None
+        to_ram = not self.fills_to_disk
         with self._reading_guard(fid.path):
             parts = [self._block(fid, index, to_ram)[0] for index in range(block_count(fid.size, self.block_size))]
         self.stats.incr("opens.filled")
@@ -378,6 +384,10 @@ class Core:
         if found is None:
             return None, parts[0] if len(parts) == 1 else b"".join(parts)
         return found, None
+
+    @property
+    def fills_to_disk(self) -> bool:
+        return self.passthrough and self.cache.disk is not None
 
     def entry_id(self, fid: FileId) -> bytes:
         return entry_id(self.namespace, fid, self.block_size)
@@ -542,7 +552,7 @@ class Core:
             # counts a use; unmarked if no tier took it (waiters only wake after this).
             with self._ahead_lock:
                 self._ahead.add(key)
-            admitted = self.cache.put(key, data, self.entry_info(fid), evict=False)
+            admitted = self.cache.put(key, data, self.entry_info(fid), evict=False, to_ram=not self.fills_to_disk)
             if not admitted:
                 with self._ahead_lock:
                     self._ahead.discard(key)

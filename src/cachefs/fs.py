@@ -360,6 +360,7 @@ class CachefsFS(Operations):
         if usable or (mode == "on" and self.want_passthrough):
             self.passthrough, self.zero_message_open = True, False
         if usable and self.session is not None:
+            self.core.passthrough = True
             self._backings = _Backings(self.session, BACKING_CACHE)
             for tier in (self.core.cache.ram, self.core.cache.disk):
                 if tier is not None:
