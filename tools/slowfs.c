@@ -14,9 +14,10 @@
  *
  * Counters: getfattr -n user.slowfs.stats MOUNTPOINT (JSON); user.slowfs.reset zeroes them.
  */
-#define FUSE_USE_VERSION 31
+#define FUSE_USE_VERSION 312
 #define _GNU_SOURCE
 #include <fuse.h>
+#include <fuse_lowlevel.h>
 
 #include <dirent.h>
 #include <errno.h>
@@ -24,11 +25,13 @@
 #include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -38,6 +41,7 @@ static struct {
 } opt;
 
 static atomic_long n_getattr, n_readdir, n_open, n_read, n_readlink, n_bytes, n_seeks;
+static atomic_long in_flight, peak_in_flight;  /* requests waiting out their latency at once */
 
 static pthread_mutex_t link_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_mutex_t head_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -166,7 +170,10 @@ static void disk_transfer(long long pos, long long nbytes) {
 }
 
 static void request(long long nbytes, const char *path, long long offset) {
+    long n = ++in_flight, peak = peak_in_flight;
+    while (n > peak && !atomic_compare_exchange_weak(&peak_in_flight, &peak, n)) {}
     sleep_for(opt.latency);
+    in_flight--;
     if (opt.seek > 0 && path) {
         disk_transfer(position_of(path, nbytes) + offset, nbytes);
         return;
@@ -214,19 +221,31 @@ static int sfs_readlink(const char *path, char *buf, size_t size) {
 
 static int sfs_readdir(const char *path, void *buf, fuse_fill_dir_t filler, off_t off,
                        struct fuse_file_info *fi, enum fuse_readdir_flags flags) {
-    (void)off; (void)fi; (void)flags;
+    (void)fi;
     n_readdir++;
     request(0, NULL, 0);
     char full[PATH_MAX];
     full_path(full, path);
     DIR *d = opendir(full);
     if (!d) return -errno;
+    /* Entries carry their offsets (index + 1; a call resumes after `off`, as an NFS
+       READDIRPLUS resumes at a cookie): libfuse 3.14 links READDIRPLUS entries into the
+       kernel's dentry cache only in this mode. */
     struct dirent *e;
-    while ((e = readdir(d))) {  /* with each entry's type, as NFS READDIRPLUS gives it */
+    off_t index = 0;
+    while ((e = readdir(d))) {
+        if (index++ < off) continue;
+        /* with each entry's attributes when the kernel asks for them (READDIRPLUS), as an
+           NFS server's READDIRPLUS gives them: one request lists a directory and stats it */
         struct stat st = {0};
-        st.st_ino = e->d_ino;
-        st.st_mode = DTTOIF(e->d_type);
-        if (filler(buf, e->d_name, &st, 0, 0)) break;
+        enum fuse_fill_dir_flags fill = 0;
+        if ((flags & FUSE_READDIR_PLUS) && fstatat(dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+            fill = FUSE_FILL_DIR_PLUS;
+        } else {
+            st.st_ino = e->d_ino;
+            st.st_mode = DTTOIF(e->d_type);
+        }
+        if (filler(buf, e->d_name, &st, index, fill)) break;
     }
     closedir(d);
     return 0;
@@ -269,14 +288,14 @@ static int sfs_getxattr(const char *path, const char *name, char *value, size_t 
     int len;
     if (strcmp(path, "/") || strncmp(name, "user.slowfs.", 12)) return -ENODATA;
     if (!strcmp(name, "user.slowfs.reset")) {
-        n_getattr = n_readdir = n_open = n_read = n_readlink = n_bytes = n_seeks = 0;
+        n_getattr = n_readdir = n_open = n_read = n_readlink = n_bytes = n_seeks = peak_in_flight = 0;
         len = snprintf(out, sizeof out, "{}");
     } else if (!strcmp(name, "user.slowfs.stats")) {
         len = snprintf(out, sizeof out,
                        "{\"getattr\": %ld, \"readdir\": %ld, \"open\": %ld, \"read\": %ld, "
-                       "\"readlink\": %ld, \"bytes\": %ld, \"seeks\": %ld}",
+                       "\"readlink\": %ld, \"bytes\": %ld, \"seeks\": %ld, \"peak_in_flight\": %ld}",
                        (long)n_getattr, (long)n_readdir, (long)n_open, (long)n_read,
-                       (long)n_readlink, (long)n_bytes, (long)n_seeks);
+                       (long)n_readlink, (long)n_bytes, (long)n_seeks, (long)peak_in_flight);
     } else {
         return -ENODATA;
     }
@@ -284,6 +303,34 @@ static int sfs_getxattr(const char *path, const char *name, char *value, size_t 
     if ((size_t)len > size) return -ERANGE;
     memcpy(value, out, len);
     return len;
+}
+
+/* --- the device: replies pass through unchanged but for INIT's --- */
+
+/* libfuse 3.14 (Debian 12, Ubuntu 24.04) never grants FUSE_PARALLEL_DIROPS, so the kernel
+ * sends one lookup at a time per directory: eight readers of one directory of a 2 ms store
+ * would wait in line, which no NFS server makes them do. The INIT reply is the first reply
+ * written; it gets the flag here. */
+static atomic_int init_replied;
+
+static ssize_t io_writev(int fd, struct iovec *iov, int count, void *userdata) {
+    (void)userdata;
+    if (!atomic_exchange(&init_replied, 1)) {
+        /* iov[0]: struct fuse_out_header (16 bytes); then struct fuse_init_out, whose
+           `flags` (uint32) is at byte 12. libfuse passes the two as separate iovecs. */
+        if (count >= 2 && iov[1].iov_len >= 16) {
+            uint32_t flags;
+            memcpy(&flags, (char *)iov[1].iov_base + 12, 4);
+            flags |= 1u << 18;  /* FUSE_PARALLEL_DIROPS */
+            memcpy((char *)iov[1].iov_base + 12, &flags, 4);
+        }
+    }
+    return writev(fd, iov, count);
+}
+
+static ssize_t io_read(int fd, void *buf, size_t len, void *userdata) {
+    (void)userdata;
+    return read(fd, buf, len);
 }
 
 static const struct fuse_operations ops = {
@@ -316,8 +363,28 @@ int main(int argc, char **argv) {
     }
     char options[PATH_MAX + 128];
     const char *base = strrchr(opt.root, '/');
-    snprintf(options, sizeof options, "ro,fsname=slowfs:%s,subtype=slowfs,max_read=1048576,max_threads=128",
+    snprintf(options, sizeof options, "ro,fsname=slowfs:%s,subtype=slowfs,max_read=1048576",
              base && base[1] ? base + 1 : "root");
-    char *fargv[] = {argv[0], "-f", "-o", options, argv[2], NULL};
-    return fuse_main(5, fargv, &ops, NULL);
+    char *fargv[] = {argv[0], "-o", options, NULL};
+    struct fuse_args args = FUSE_ARGS_INIT(3, fargv);
+    struct fuse *f = fuse_new(&args, &ops, sizeof ops, NULL);
+    if (!f) return 1;
+    if (fuse_mount(f, argv[2]) != 0) { fuse_destroy(f); return 1; }
+    struct fuse_session *se = fuse_get_session(f);
+    /* our own I/O on the same descriptor, only to grant parallel lookups (see init_reply) */
+    static const struct fuse_custom_io io = {.writev = io_writev, .read = io_read};
+    if (fuse_session_custom_io(se, &io, fuse_session_fd(se)) != 0) { fuse_unmount(f); fuse_destroy(f); return 1; }
+    fuse_set_signal_handlers(se);
+    /* one thread per request in flight, as many as the readers send: a store's server is
+       not the bottleneck being modelled (libfuse's default keeps 10 and fuse_main ignores
+       max_threads in 3.14) */
+    struct fuse_loop_config *cfg = fuse_loop_cfg_create();
+    fuse_loop_cfg_set_max_threads(cfg, 256);
+    fuse_loop_cfg_set_idle_threads(cfg, 64);
+    int rc = fuse_loop_mt(f, cfg);
+    fuse_loop_cfg_destroy(cfg);
+    fuse_remove_signal_handlers(se);
+    fuse_unmount(f);
+    fuse_destroy(f);
+    return rc ? 1 : 0;
 }

@@ -7,7 +7,10 @@
 
 Network model: every request that reaches it (lookup/getattr, readdir, open, read) waits
 `--latency` before it is answered, as a round trip would; many requests may be in flight
-at once, as with NFS. Data moves no faster than `--bandwidth` in total, through one
+at once, as with NFS (lookups in one directory too, and one thread per request in
+flight). A directory listing carries each entry's attributes when the kernel asks for
+them (READDIRPLUS, as NFS has), so listing a directory costs one request, not one per
+file. Data moves no faster than `--bandwidth` in total, through one
 shared link. Like an NFS client mounted with rsize=1M: a large read() is sent as 1 MiB
 requests, while the kernel's read-ahead stays at its 128 KiB default, so `cat` (128 KiB
 reads) waits for one round trip after another.
