@@ -84,8 +84,15 @@ def mounted(source: str, mp: str, cache: str, extra: Sequence[str] = (), baselin
 
 
 def cpu(proc: psutil.Process) -> float:
-    t = proc.cpu_times()
-    return t.user + t.system
+    """CPU seconds of the daemon and its fetch processes (children that live as long as it)."""
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def epoch(root: str, rel: list[str], seed: int, workers: int) -> dict:

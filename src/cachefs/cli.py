@@ -154,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="parallel source fetches for read-ahead and warming; demand misses do not "
                          f"wait for these (default: {DEFAULT_PREFETCH_WORKERS}, or "
                          f"{ROTATIONAL_PREFETCH_WORKERS} when the source is a local spinning disk)")
+    ra.add_argument("--fetch-processes", type=int, metavar="N",
+                    help="processes that fetch small files from the source and write them to the NVMe "
+                         "tier when opens are passed through, beside the daemon's own threads; 0: the "
+                         "daemon does it itself (default: one per two cores, 1 to 4)")
     ra.add_argument("--warm", action="store_true",
                     help="load the whole source into the cache in the background, below the job's own reads")
     run = m.add_argument_group("running")
@@ -445,7 +449,8 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         source_timeout=args.source_timeout,
         allow_other=args.allow_other, log_file=args.log_file, verbose=args.verbose,
         debug_fuse=args.debug_fuse, zero_message_open=not args.open_per_handle, passthrough=args.passthrough,
-        readahead=args.readahead, prefetch_workers=args.prefetch_workers, warm=args.warm,
+        readahead=args.readahead, prefetch_workers=args.prefetch_workers, fetch_processes=args.fetch_processes,
+        warm=args.warm,
         metrics_addr=args.metrics_addr,
         policy=args.policy, max_idle=args.max_idle, min_free=args.min_free,
     )

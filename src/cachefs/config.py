@@ -33,6 +33,12 @@ DEFAULT_READAHEAD_MAX = 32 * MiB
 # reader's own FUSE thread): 16 for a network store, 8 when the source is a local
 # spinning disk. Measured in docs/benchmarks.md.
 DEFAULT_PREFETCH_WORKERS = 16
+
+
+def default_fetch_processes() -> int:
+    """Fetch processes for passthrough fills (cachefs/fetcher.py): one per two cores, at
+    least one, at most four. One was as fast as four on 2 cores (docs/design.md)."""
+    return max(1, min(4, (os.cpu_count() or 1) // 2))
 ROTATIONAL_PREFETCH_WORKERS = 8
 
 # Metadata TTL (seconds) for stat results and directory listings, in cachefs and in the
@@ -200,6 +206,7 @@ class Config:
     passthrough: str = DEFAULT_PASSTHROUGH  # "auto", "on", "off"
     readahead: str = DEFAULT_READAHEAD
     prefetch_workers: int | None = None  # None: by the source's kind (see validate)
+    fetch_processes: int | None = None  # None: default_fetch_processes(); 0 = fetch in the daemon
     warm: bool = False
     metrics_addr: str | None = None  # HOST:PORT of the Prometheus endpoint; None = off
     policy: str = DEFAULT_POLICY  # "keep", "lru", or per tier: "ram=lru,disk=keep"

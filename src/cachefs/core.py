@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
+from queue import SimpleQueue
 from typing import TYPE_CHECKING
 
 from cachefs.blocks import FileId, block_count, block_extent, block_key, block_range, entry_id
@@ -42,6 +43,7 @@ from cachefs.config import (
     WHOLE_FILE_MAX,
 )
 from cachefs.errors import SourceChanged
+from cachefs.fetcher import Fetchers, FetchUnavailable
 from cachefs.hints import HINT_DISK_LATENCY, HintBoard
 from cachefs.prefetch import DIR, HINT, READAHEAD, WARM, Prefetcher
 from cachefs.prefetch import THREAD_PREFIX as PREFETCH_THREAD
@@ -158,6 +160,7 @@ class Core:
         # Passthrough mode: files fetched whole (at open, or ahead of the job) are written
         # to the NVMe tier only, where there is one (see open_file); set by cachefs.fs.
         self.passthrough = False
+        self.fetchers: Fetchers | None = None  # fetch processes, where there are some (cachefs.fs)
         self._source_pool = (ThreadPoolExecutor(SOURCE_THREADS, thread_name_prefix="cachefs-source")
                              if source_timeout > 0 else None)
         self._down_since: float | None = None  # when the source stopped answering (monotonic)
@@ -184,6 +187,20 @@ class Core:
             prefetcher.add_feeder(DIR, self.dir_readahead)
         self._attrs = _TTLCache(metadata_entries, clock)
         self._dirs = _TTLCache(max(1, metadata_entries // 10), clock)
+        # After a restart, the NVMe tier knows the attributes each cached file was stored
+        # under. Lookups are answered from them (within --metadata-ttl of when they were
+        # last known good), and every directory is checked once, in bulk: its first listing
+        # brings each entry's attributes (one request, as NFS's READDIRPLUS), and a file
+        # found changed is invalidated as any change on the source is. A lookup answered
+        # from the index before its directory was listed has the directory checked in the
+        # background. So a restarted job's first epoch costs a request per directory, not
+        # one per file.
+        self._index_answers = cache.disk is not None and len(cache.disk) > 0
+        self._checked_dirs: set[str] = set()
+        self._answered: dict[str, set[str]] = {}  # dir -> names answered from the index, unchecked
+        self._check_lock = threading.Lock()
+        self._to_check: SimpleQueue[str] = SimpleQueue()
+        self._checker: threading.Thread | None = None
         # Called with a path whose cached identity turned out wrong. The default forgets the
         # metadata at once; under a mount, cachefs.fs holds the file in begin_change() until
         # the kernel has dropped its attributes and pages, so no read mixes two versions.
@@ -208,6 +225,10 @@ class Core:
         if isinstance(hit, int):
             self.stats.incr("metadata.hits")
             raise FileNotFoundError(hit, "no such file (cached)", path)
+        if self._index_answers:
+            indexed = self._indexed(path)
+            if indexed is not None:
+                return indexed
         self.stats.incr("metadata.misses")
         try:
             attr = self._source_call("stat", self.source.stat, path)
@@ -228,12 +249,91 @@ class Core:
             self.stats.incr("metadata.hits")
             return hit  # type: ignore[return-value]
         self.stats.incr("metadata.misses")
+        check = self._index_answers and path not in self._checked_dirs
         try:
-            entries = self._source_call("listdir", self.source.listdir, path)
+            if check:
+                entries = self._source_call("listdir", self.source.listdir, path, True)
+            else:
+                entries = self._source_call("listdir", self.source.listdir, path)
         except OSError as exc:
             return self._stale(self._dirs, path, exc)  # type: ignore[return-value]
+        if check:
+            self._check_dir(path, entries)
         self._dirs.put(path, entries, self.metadata_ttl)
         return entries
+
+    def _indexed(self, path: str) -> Attr | None:
+        """A lookup answered from the NVMe tier's index (see __init__), or None."""
+        disk = self.cache.disk
+        known = disk.attr_of(path) if disk is not None else None
+        if known is None:
+            return None
+        attr, stored_at = known
+        left = self.metadata_ttl - (time.time() - stored_at)
+        directory, _, name = path.rpartition("/")
+        directory = directory or "/"
+        if left <= 0 or directory in self._checked_dirs:
+            return None  # too old, or its directory's listing said otherwise (not listed: gone)
+        with self._check_lock:
+            names = self._answered.get(directory)
+            first = names is None
+            if first:
+                names = self._answered[directory] = set()
+            names.add(name)  # type: ignore[union-attr]
+        self._attrs.put(path, attr, min(left, self.metadata_ttl))
+        self.stats.incr("metadata.index_hits")
+        if first:
+            self._check_soon(directory)
+        return attr
+
+    def _check_dir(self, directory: str, entries: list[DirEntry]) -> None:
+        """The first listing of a directory since the start, with attributes: its files'
+        attributes are cached, and those the index answered with are compared."""
+        disk = self.cache.disk
+        with self._check_lock:
+            self._checked_dirs.add(directory)
+            answered = self._answered.pop(directory, set())
+        prefix = directory.rstrip("/") + "/"
+        listed = set()
+        for e in entries:
+            if e.attr is None:
+                continue
+            child = prefix + e.name
+            listed.add(e.name)
+            self._attrs.put(child, e.attr, self.metadata_ttl)
+            known = disk.attr_of(child) if disk is not None else None
+            if known is None:
+                continue
+            old = known[0]
+            if (old.size, old.mtime_ns, old.ctime_ns) == (e.attr.size, e.attr.mtime_ns, e.attr.ctime_ns):
+                disk.confirm(child)  # type: ignore[union-attr]
+            elif e.name in answered:
+                self.stats.incr("metadata.index_stale")
+                self.on_source_changed(child)  # the kernel may hold the old attributes
+        for name in answered - listed:  # gone from the source since it was cached
+            self.stats.incr("metadata.index_stale")
+            self.on_source_changed(prefix + name)
+
+    def _check_soon(self, directory: str) -> None:
+        """List `directory` with attributes in the background (see _check_dir)."""
+        self._to_check.put(directory)
+        with self._check_lock:
+            if self._checker is None:
+                self._checker = threading.Thread(target=self._check_loop, name="cachefs-check", daemon=True)
+                self._checker.start()
+
+    def _check_loop(self) -> None:
+        while True:
+            directory = self._to_check.get()
+            if not directory:
+                return
+            if directory in self._checked_dirs:
+                continue
+            self._dirs.pop(directory)  # listed again, with attributes
+            try:
+                self.readdir(directory)
+            except OSError:
+                pass  # the job's own lookups see the error
 
     def _stale(self, cache: _TTLCache, path: str, exc: OSError) -> object:
         """While the source does not answer, expired metadata is better than none: the
@@ -382,7 +482,9 @@ class Core:
         self.stats.incr("opens.filled")
         found = cache.acquire_backing(eid)
         if found is None:
-            return None, parts[0] if len(parts) == 1 else b"".join(parts)
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            assert len(data) == fid.size
+            return None, data
         return found, None
 
     @property
@@ -432,6 +534,10 @@ class Core:
                 result = self._run_owned(key, pending, lambda: self._fetch(key, fid, index, to_ram))
             else:
                 result = self._wait(pending)
+                if not result[0] and fid.size > index * self.block_size:
+                    # prefetch_small's fetch, whose bytes went straight to the NVMe tier
+                    # (or were refused): look again, and fetch if they are not there
+                    return self._block(fid, index, to_ram)
                 # Counted where the shared fetch found the block: a read that waited for
                 # another's NVMe hit was served by the cache, not the source.
                 self.stats.add_many(_WAITED[result[1]] if self.cache.disk is not None else _WAITED_NO_DISK[result[1]])
@@ -482,7 +588,7 @@ class Core:
         data = self.cache.ram.peek(key)
         if data is not None:
             return data, "ram"
-        data = self.cache.get_disk(key)
+        data = self.cache.get_disk(key, promote=to_ram)
         if data is not None:
             return data, "disk"
         data = self._fetch_source(fid, index)
@@ -600,6 +706,106 @@ class Core:
 
         _, tier = self._run_owned(key, pending, fetch)
         return tier if pinned else "refused"
+
+    def prefetch_small(self, path: str) -> tuple[str, int] | None:
+        """Passthrough mode's read-ahead of a file of one block (most of a dataset of images):
+        one visit to the source (open, fstat, read, close) instead of a stat and then a read,
+        straight into the NVMe tier, by a fetch process where there are some (see
+        cachefs/fetcher.py). Returns (outcome, bytes fetched) as prefetch_file does, or None
+        if the file is not a regular file of one block (prefetch_file's business)."""
+        hit = self._attrs.get(path)
+        if isinstance(hit, int):
+            return "error", 0
+        expect = None
+        if isinstance(hit, Attr):
+            if not hit.is_file or not 0 < hit.size <= self.block_size:
+                return None
+            expect = FileId(path, hit.size, hit.mtime_ns, hit.ctime_ns)
+            key = block_key(self.namespace, expect, 0, self.block_size)
+            if self.cache.contains(key):
+                # After a restart each entry is checked once before it is passed through:
+                # done here, ahead of the job, instead of in its open
+                self.cache.verify(key[0])
+                return "cached", 0
+            if not self.cache.has_room(hit.size):
+                self.stats.incr("prefetch.no_room")
+                return "no_room", 0
+            pending, owner = self._claim(key)
+            if not owner:
+                return "inflight", 0
+            try:
+                outcome = self._fetch_small(path, expect, key)
+            finally:
+                with self._inflight_lock:
+                    del self._inflight[key]
+                pending.set_result((b"", "source"))  # a waiter looks for the entry (see open_file)
+            return outcome
+        return self._fetch_small(path, None, None)
+
+    def _fetch_small(self, path: str, expect: FileId | None, key: BlockKey | None) -> tuple[str, int] | None:
+        """The fetch of prefetch_small, owning `key` if it is known."""
+        disk = self.cache.disk
+        assert disk is not None
+        fetchers = self.fetchers
+        reply: tuple | None = None  # type: ignore[type-arg]
+        if fetchers is not None:
+            try:
+                reply = self._source_call("stat", fetchers.fill, path, self.block_size, expect,
+                                          self.source_timeout or None)
+            except FetchUnavailable:
+                self.fetchers = None
+            except OSError:
+                self.stats.incr("prefetch.errors")
+                return "error", 0
+        data = None
+        if reply is None:  # in this process
+            try:
+                attr, data = self._source_call("stat", self.source.read_whole, path, self.block_size, expect)
+            except SourceChanged:
+                reply = ("changed",)
+            except OSError:
+                self.stats.incr("prefetch.errors")
+                return "error", 0
+            else:
+                reply = ("read", tuple(attr)) if data is not None else ("large", tuple(attr))
+        kind = reply[0]
+        if kind == "changed":
+            self.stats.incr("source.changed")
+            self.on_source_changed(path)
+            return "error", 0
+        if kind == "error":
+            self.stats.incr("prefetch.errors")
+            return "error", 0
+        attr = Attr(*reply[1])
+        self._attrs.put(path, attr, self.metadata_ttl)  # what the job's lookup will ask
+        if not attr.is_file or not 0 < attr.size <= self.block_size:
+            return None if kind == "large" else ("cached", 0)
+        fid = FileId(path, attr.size, attr.mtime_ns, attr.ctime_ns)
+        if key is None:
+            key = block_key(self.namespace, fid, 0, self.block_size)
+        # Counted as a stat (the open and fstat), and a read if it was read: the two
+        # requests an NFS client sends (OPEN or GETATTR, then READ).
+        self.stats.add_many({"source.read_range": 1, "source.bytes": attr.size})
+        if kind == "exists":
+            return "cached" if self.cache.contains(key) else "inflight", 0
+        if kind == "unstored":
+            disk.write_failed(OSError(reply[2], reply[3]))
+            return "error", 0
+        with self._ahead_lock:
+            self._ahead.add(key)  # before it is visible in a tier (see prefetch_block)
+        info = EntryInfo(path, attr, self.block_size)
+        if kind == "read":
+            assert data is not None
+            admitted = disk.put(key, data, info, evict=False)
+        else:
+            admitted = disk.adopt(key, attr.size, reply[2], info) != "refused"
+        if not admitted:
+            with self._ahead_lock:
+                self._ahead.discard(key)
+            self.stats.incr("prefetch.no_room")
+            return "no_room", 0
+        self.stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": attr.size})
+        return "fetched", attr.size
 
     def prefetch_file(self, path: str, max_blocks: int | None = None) -> tuple[str, int]:
         """Fetch a file's blocks ahead of need; returns (worst outcome, bytes fetched)."""
@@ -725,8 +931,11 @@ class Core:
             log.warning("source answering again after %.0fs", time.monotonic() - since)
 
     def close(self) -> None:
+        self._to_check.put("")
         if self.prefetcher is not None:
             self.prefetcher.stop()
+        if self.fetchers is not None:
+            self.fetchers.close()
         if self._source_pool is not None:
             self._source_pool.shutdown(wait=False, cancel_futures=True)  # a hung request stays hung
         self.cache.close()
@@ -804,6 +1013,8 @@ class DirReadahead:
                 self._active[directory] = cursor
 
     def _fetch(self, path: str) -> None:
-        outcome, _ = self._core.prefetch_file(path, self._max_file_blocks)
+        core = self._core
+        small = core.prefetch_small(path) if core.fills_to_disk else None
+        outcome, _ = small if small is not None else core.prefetch_file(path, self._max_file_blocks)
         if outcome == "no_room":
             self.full = True

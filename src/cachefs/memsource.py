@@ -92,12 +92,12 @@ class MemorySource:
     def stat(self, path: str) -> Attr:
         return self._enter("stat", path)[0]
 
-    def listdir(self, path: str) -> list[DirEntry]:
+    def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
         attr, _ = self._enter("listdir", path)
         if not attr.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
         prefix = path.rstrip("/") + "/"
-        return [DirEntry(p[len(prefix):], stat_mod.S_IFMT(a.mode), a.ino)
+        return [DirEntry(p[len(prefix):], stat_mod.S_IFMT(a.mode), a.ino, a if attrs else None)
                 for p, (a, _) in sorted(self._nodes.items())
                 if p.startswith(prefix) and p != "/" and "/" not in p[len(prefix):]]
 
@@ -112,6 +112,19 @@ class MemorySource:
         with self._lock:
             self.bytes_read += size
         return data[offset:offset + size]
+
+    def read_whole(self, path: str, limit: int, expect: FileId | None = None) -> tuple[Attr, bytes | None]:
+        attr, data = self._enter("read_range", path)  # one request, as a read
+        if not attr.is_file:
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        if expect is not None and (attr.size, attr.mtime_ns, attr.ctime_ns) != expect[1:]:
+            raise SourceChanged(path)
+        if attr.size > limit:
+            return attr, None
+        assert isinstance(data, bytes)
+        with self._lock:
+            self.bytes_read += len(data)
+        return attr, data
 
     def readlink(self, path: str) -> str:
         attr, target = self._enter("readlink", path)

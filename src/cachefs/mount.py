@@ -43,6 +43,7 @@ from cachefs.config import (
     ROTATIONAL_PREFETCH_WORKERS,
     SHUTDOWN_GRACE,
     Config,
+    default_fetch_processes,
     format_size,
 )
 from cachefs.errors import CachefsError
@@ -248,6 +249,10 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
             else DEFAULT_PREFETCH_WORKERS
     if not 0 <= config.prefetch_workers <= 1024:
         raise CachefsError(f"--prefetch-workers {config.prefetch_workers} must be between 0 and 1024")
+    if config.fetch_processes is None:
+        config.fetch_processes = default_fetch_processes()
+    if not 0 <= config.fetch_processes <= 64:
+        raise CachefsError(f"--fetch-processes {config.fetch_processes} must be between 0 and 64")
     if config.warm and config.prefetch_workers == 0:
         raise CachefsError("--warm needs --prefetch-workers of at least 1")
     resolve_sizes(config)
@@ -354,7 +359,7 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
                    cache_dir=config.cache_dir, block_size=config.block_size,
                    metadata_ttl=config.metadata_ttl, readahead=config.readahead,
                    source_timeout_s=config.source_timeout,
-                   prefetch_workers=config.prefetch_workers)
+                   prefetch_workers=config.prefetch_workers, fetch_processes=config.fetch_processes)
     source = LocalSource(config.source)
     assert config.ram_size is not None and config.disk_size is not None
     policies = parse_policy_spec(config.policy)
@@ -500,6 +505,7 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
         stop = _stop_on_signals(config.mountpoint, session)
         session.negotiate()
         fs.start_serving(session.conn)
+        start_fetchers(core, config)
         session.start()
         threading.Thread(target=tune_readahead, args=(config.mountpoint,), daemon=True).start()
         if config.warm:
@@ -520,6 +526,19 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
             metrics.shutdown()
         control.close()
         core.close()
+
+
+def start_fetchers(core, config: Config) -> None:  # type: ignore[no-untyped-def]
+    """Fetch processes for passthrough fills into the NVMe tier (cachefs/fetcher.py)."""
+    n = config.fetch_processes if config.fetch_processes is not None else default_fetch_processes()
+    if n <= 0 or not core.fills_to_disk or core.prefetcher is None:
+        return
+    from cachefs.fetcher import Fetchers
+
+    channels = core.prefetcher.workers + 4
+    core.fetchers = Fetchers(core.source.root, core.cache.disk.data_dir, core.namespace, core.block_size, n,
+                             channels)
+    log.info("fetch processes: %d (%d channels)", n, channels)
 
 
 def _stop_on_signals(mountpoint: str, session) -> threading.Event:  # type: ignore[no-untyped-def]

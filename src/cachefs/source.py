@@ -57,6 +57,7 @@ class DirEntry(NamedTuple):
     name: str
     type_mode: int  # only the S_IFMT bits: what readdir reports as d_type
     ino: int = 0
+    attr: Attr | None = None  # with listdir(path, attrs=True)
 
 
 class Source(Protocol):
@@ -64,7 +65,15 @@ class Source(Protocol):
 
     def stat(self, path: str) -> Attr: ...
 
-    def listdir(self, path: str) -> list[DirEntry]: ...
+    def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
+        """The directory's entries; with `attrs`, each with its attributes (what NFS's
+        READDIRPLUS gives: one listing, no request per entry where the client caches them)."""
+        ...
+
+    def read_whole(self, path: str, limit: int, expect: FileId | None = None) -> tuple[Attr, bytes | None]:
+        """A small file in one visit: its attributes and bytes (None for the bytes if it is
+        larger than `limit`). SourceChanged if it is not `expect`, or changed while read."""
+        ...
 
     def read_range(self, fid: FileId, offset: int, size: int) -> bytes:
         """Return exactly `size` bytes at `offset` of the file whose identity is `fid`.
@@ -222,12 +231,19 @@ class LocalSource:
         finally:
             os.close(fd)
 
-    def listdir(self, path: str) -> list[DirEntry]:
+    def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
         out = []
         dfd = self._open_dir(path)
         try:
             with os.scandir(dfd) as it:
                 for entry in it:
+                    if attrs:  # right after the listing: NFS and FUSE answer from what it brought
+                        try:
+                            a = Attr.from_stat(entry.stat(follow_symlinks=False))
+                        except OSError:
+                            continue  # vanished while listing
+                        out.append(DirEntry(entry.name, stat_mod.S_IFMT(a.mode), a.ino, a))
+                        continue
                     try:
                         # d_type from the directory itself: no per-entry stat on the source.
                         if entry.is_symlink():
@@ -290,6 +306,46 @@ class LocalSource:
         if len(data) != size:
             raise SourceChanged(fid.path)
         return data
+
+    def read_whole(self, path: str, limit: int, expect: FileId | None = None) -> tuple[Attr, bytes | None]:
+        """A small file in one visit: open, fstat, read, check, close. Returns its attributes
+        and its bytes, or None for the bytes of a file larger than `limit` (not read).
+
+        With `expect`, raises SourceChanged if the file is no longer that version; without,
+        the version read is the one returned (the caller learns it here). A file rewritten
+        during the read raises SourceChanged either way.
+        """
+        direct = self._direct
+        try:
+            fd = self._open_file(path, direct)
+        except OSError as exc:
+            if not direct or exc.errno != errno.EINVAL:
+                raise
+            self._direct = direct = False
+            fd = self._open_file(path, False)
+        try:
+            st = os.fstat(fd)
+            attr = Attr.from_stat(st)
+            if not stat_mod.S_ISREG(st.st_mode):
+                raise OSError(errno.EINVAL, "not a regular file", path)
+            fid = FileId(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            if expect is not None and fid != expect:
+                raise SourceChanged(path)
+            if st.st_size > limit:
+                return attr, None
+            try:
+                data = _pread_direct(fd, 0, st.st_size) if direct else _pread(fd, 0, st.st_size)
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                self._direct = False  # opened with O_DIRECT, but reads refuse it (some FUSE)
+                data = _pread(fd, 0, st.st_size)
+            self._check(fd, fid)
+        finally:
+            os.close(fd)
+        if len(data) != fid.size:
+            raise SourceChanged(path)
+        return attr, data
 
     @staticmethod
     def _check(fd: int, fid: FileId) -> None:

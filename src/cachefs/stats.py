@@ -46,7 +46,7 @@ COUNTERS: tuple[str, ...] = (
     "source.served_bytes", "source.bytes", "source.errors", "source.changed", "source.timeouts",
     "source.down_events", "source.fast_failures",
     *(f"source.{op}" for op in SOURCE_OPS),
-    "metadata.hits", "metadata.misses", "metadata.stale_served",
+    "metadata.hits", "metadata.misses", "metadata.stale_served", "metadata.index_hits", "metadata.index_stale",
     "fuse.errors", *(f"fuse.{op}" for op in FUSE_OPS), *(f"fuse.{op}_us" for op in FUSE_OPS),
     "prefetch.blocks", "prefetch.bytes", "prefetch.used", "prefetch.wasted", "prefetch.no_room",
     "prefetch.dropped", "prefetch.errors", "prefetch.dirs",

@@ -37,6 +37,7 @@ import time
 from cachefs.config import format_size
 from cachefs.directio import pread, pread_direct
 from cachefs.policy import DEFAULT_POLICY, Policy
+from cachefs.source import Attr
 from cachefs.stats import Stats
 from cachefs.tiers import index
 from cachefs.tiers.store import (
@@ -435,11 +436,20 @@ class DiskTier(FileStore):
 
     # -- what the metadata cache asks after a restart ---------------------------------------
 
-    def attr_of(self, path: str) -> tuple[object, float] | None:
-        """(attributes, wall time they were recorded) of the newest cached version of `path`."""
+    def attr_of(self, path: str) -> tuple[Attr, float] | None:
+        """(attributes, wall time they were last known good) of the newest cached version
+        of `path`."""
         eid = self._paths.get(path)
         e = self._entries.get(eid) if eid is not None else None
         return None if e is None else (e.attr, e.stored_at)
+
+    def confirm(self, path: str) -> None:
+        """The source still has the newest cached version of `path`: its attributes are good
+        as of now (kept in the index at the next compaction or clean stop)."""
+        eid = self._paths.get(path)
+        e = self._entries.get(eid) if eid is not None else None
+        if e is not None:
+            e.stored_at = time.time()
 
     # -- the scrub ----------------------------------------------------------------------------
 

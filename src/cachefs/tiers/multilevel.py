@@ -36,8 +36,8 @@ class MultiLevelCache:
         self.disk = disk
         self._stats = stats
 
-    def get_disk(self, key: BlockKey) -> bytes | None:
-        """Look a block up on NVMe; a hit is promoted into RAM."""
+    def get_disk(self, key: BlockKey, promote: bool = True) -> bytes | None:
+        """Look a block up on NVMe; a hit is promoted into RAM (if `promote`)."""
         if self.disk is None:
             return None
         data = self.disk.get(key)
@@ -45,6 +45,8 @@ class MultiLevelCache:
             self._stats.incr("disk.misses")
             return None
         self._stats.incr("disk.hits")
+        if not promote:
+            return data
         info = self.disk.info_of(key[0])
         if info is not None and self.ram.put(key, data, info):
             self._stats.incr("ram.promotions")
@@ -110,6 +112,13 @@ class MultiLevelCache:
                 if path is not None:
                     return Backing(tier, path)
         return None
+
+    def verify(self, eid: bytes) -> None:
+        """Check an entry held since before the start (see FileStore.backing_file) now,
+        so that the open that passes it through finds it checked."""
+        for tier in (self.ram, self.disk):
+            if tier is not None and tier.needs_check(eid):
+                tier.backing_file(eid)
 
     def backing(self, eid: bytes) -> Backing | None:
         """A tier holding the whole file version `eid`, RAM first; None if none does."""

@@ -368,6 +368,45 @@ class FileStore:
         self._stats.add_many({f"{self.name}.writes": 1, f"{self.name}.written_bytes": len(data)})
         return True
 
+    def adopt(self, key: BlockKey, size: int, h: int, info: EntryInfo, evict: bool = False) -> str:
+        """Take the file a fetch process wrote at this entry's path (cachefs/fetcher.py) as
+        the entry, whose one block is `key`: "adopted"; "held" if the entry exists already
+        (someone else wrote it, or is writing it: the file is theirs); "refused" if the
+        policy does not admit it, or the tier takes no writes (the file is deleted)."""
+        eid, index = key
+        name = eid.hex()
+        path = self.file_of(name)
+        victims = None
+        if self._writable():
+            asize = allocated(size)
+            with self._lock:
+                if eid in self._entries:
+                    return "held"
+                self._before_admit(asize)
+                victims = self.policy.admit(key, asize, evict)
+                if victims is None:
+                    self._stats.incr(f"{self.name}.{'refused' if evict else 'no_room'}")
+                else:
+                    e = Entry(name, info.path, info.attr, info.block_size, time.time())
+                    e.hashes[index] = h
+                    e.present = 1
+                    self._entries[eid] = e
+                    self._made_dirs.add(os.path.dirname(path))
+                    self._recorded(e, index, h, True)
+        if victims is None:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+            return "refused"
+        self._evict(victims)
+        self._stats.add_many({f"{self.name}.writes": 1, f"{self.name}.written_bytes": size})
+        return "adopted"
+
+    @property
+    def data_dir(self) -> str:
+        return self._data
+
     def _writable(self) -> bool:
         return True
 
@@ -376,6 +415,10 @@ class FileStore:
 
     def _recorded(self, e: Entry, index: int, h: int, new: bool) -> None:
         pass
+
+    def write_failed(self, exc: OSError) -> None:
+        """A write to this tier made elsewhere (a fetch process) failed: counted as ours."""
+        self._write_failed(exc)
 
     def _write_failed(self, exc: OSError) -> None:
         log.warning("writing to the %s tier failed: %s", self.name, exc)
@@ -462,6 +505,10 @@ class FileStore:
             if self._read((eid, index), buffered=True) is None:
                 return None
         return self.file_of(e.name)
+
+    def needs_check(self, eid: bytes) -> bool:
+        e = self._entries.get(eid)
+        return e is not None and bool(e.unverified)
 
     def acquire_backing(self, eid: bytes) -> str | None:
         """backing_file() and acquire() in one: the path of the entry's file, held for the

@@ -1,0 +1,307 @@
+"""Fetch processes: source reads and cache writes outside the serving process.
+
+A cold epoch in passthrough mode is mostly directory read-ahead: small files fetched whole
+from the source and written to the NVMe tier, then handed to the kernel. In the serving
+process every one of those system calls (open, fstat, read and close on the source; open,
+write and close in the cache) gives up and takes back the interpreter lock, while the FUSE
+threads want it too; on a 2-core machine a third of the daemon's CPU went to those
+handovers (docs/design.md, "Fetch processes"). Here a few child processes do that work:
+the daemon sends a path over a socket and gets back the file's attributes and the xxh3 of
+what was written; it keeps every decision (single flight, admission, the index, the
+stats), and the file becomes an entry only when the daemon adopts it.
+
+Protocol, one request at a time per channel (a socket pair; a length-prefixed marshal
+tuple each way):
+
+    request   (path, limit, expect)       expect: (size, mtime_ns, ctime_ns) or None
+    reply     ("stored", attr, hash)       written to the entry's file (created, O_EXCL)
+              ("exists", attr)             that file already exists: someone else has it
+              ("large", attr)              larger than `limit`: nothing read
+              ("changed",)                 not the expected version, or changed while read
+              ("error", errno, message)    the source refused
+              ("unstored", attr, errno, message)   read, but the cache write failed
+
+A worker runs one thread per channel; it exits when the daemon closes its end (or dies:
+PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import errno
+import logging
+import marshal
+import os
+import queue
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+
+from cachefs.blocks import FileId, entry_id
+from cachefs.errors import SourceChanged
+from cachefs.source import Attr, LocalSource
+
+log = logging.getLogger(__name__)
+
+_LEN = struct.Struct("<I")
+PR_SET_PDEATHSIG = 1
+
+
+def _send(sock: socket.socket, obj: tuple) -> None:  # type: ignore[type-arg]
+    data = marshal.dumps(obj)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise EOFError
+        buf += chunk
+    return bytes(buf)
+
+
+def _recv(sock: socket.socket) -> object:
+    """One message; replies and requests are small, so one recv() nearly always has it."""
+    head = sock.recv(4096)
+    if len(head) < _LEN.size:
+        if not head:
+            raise EOFError
+        head += _recv_exact(sock, _LEN.size - len(head))
+    (n,) = _LEN.unpack_from(head)
+    body = head[_LEN.size:]
+    if len(body) < n:
+        body += _recv_exact(sock, n - len(body))
+    return marshal.loads(body)
+
+
+# -- the worker ----------------------------------------------------------------------------
+
+class _Worker:
+    def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int):
+        self.source = LocalSource(root)
+        self.data_dir = data_dir
+        self.namespace = namespace
+        self.block_size = block_size
+
+    def fill(self, path: str, limit: int, expect: tuple[int, int, int] | None) -> tuple:  # type: ignore[type-arg]
+        try:
+            attr, data = self.source.read_whole(path, limit, FileId(path, *expect) if expect else None)
+        except SourceChanged:
+            return ("changed",)
+        except OSError as exc:
+            return ("error", exc.errno or errno.EIO, exc.strerror or str(exc))
+        if data is None:
+            return ("large", tuple(attr))
+        name = entry_id(self.namespace, FileId(path, attr.size, attr.mtime_ns, attr.ctime_ns), self.block_size).hex()
+        dest = f"{self.data_dir}/{name[:2]}/{name}"
+        try:
+            fd = self._create(dest)
+        except FileExistsError:
+            return ("exists", tuple(attr))
+        except OSError as exc:
+            return ("unstored", tuple(attr), exc.errno or errno.EIO, exc.strerror or str(exc))
+        try:
+            view, offset = memoryview(data), 0
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+        except OSError as exc:
+            os.close(fd)
+            try:
+                os.unlink(dest)
+            except OSError:
+                pass
+            return ("unstored", tuple(attr), exc.errno or errno.EIO, exc.strerror or str(exc))
+        os.close(fd)
+        from cachefs.tiers.store import block_hash
+
+        return ("stored", tuple(attr), block_hash(data))
+
+    @staticmethod
+    def _create(dest: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+        try:
+            return os.open(dest, flags, 0o600)
+        except FileNotFoundError:
+            os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+            return os.open(dest, flags, 0o600)
+
+    def serve(self, sock: socket.socket) -> None:
+        while True:
+            try:
+                request = _recv(sock)
+            except (EOFError, OSError):
+                return
+            try:
+                assert isinstance(request, tuple) and len(request) == 3
+                reply = self.fill(request[0], request[1], request[2])
+            except Exception as exc:  # never leave the daemon waiting
+                reply = ("error", errno.EIO, f"fetch process: {exc!r}")
+            try:
+                _send(sock, reply)
+            except OSError:
+                return
+
+
+def worker_main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cachefs.fetcher")
+    p.add_argument("--root", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--namespace", required=True)
+    p.add_argument("--block-size", type=int, required=True)
+    p.add_argument("--fds", required=True, help="comma-separated channel descriptors")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the daemon
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:
+        return 0  # the daemon is already gone
+    worker = _Worker(args.root, args.data, args.namespace.encode(), args.block_size)
+    threads = []
+    for fd in (int(x) for x in args.fds.split(",")):
+        sock = socket.socket(fileno=fd)
+        t = threading.Thread(target=worker.serve, args=(sock,), daemon=True)
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join()
+    return 0
+
+
+# -- the daemon's side ---------------------------------------------------------------------
+
+class FetchUnavailable(Exception):
+    """No fetch process can take this request (they died, or the pool is shut): the caller
+    does the work itself."""
+
+
+class Fetchers:
+    """A pool of channels to `processes` worker processes. fill() may be called from any
+    thread; it holds a channel for one request."""
+
+    def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int, processes: int,
+                 channels: int):
+        self.processes: list[subprocess.Popen[bytes]] = []
+        self._free: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
+        self._all: list[socket.socket] = []
+        self._closed = False
+        self._lost = 0
+        self._lock = threading.Lock()
+        self._timeouts: dict[int, float | None] = {}
+        per = max(1, -(-channels // processes))
+        for _ in range(processes):
+            ours, theirs = [], []
+            for _ in range(per):
+                a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+                ours.append(a)
+                theirs.append(b)
+            cmd = [sys.executable, "-m", "cachefs.fetcher", "--root", root, "--data", data_dir,
+                   "--namespace", namespace.decode(), "--block-size", str(block_size),
+                   "--fds", ",".join(str(s.fileno()) for s in theirs)]
+            try:
+                proc = subprocess.Popen(cmd, pass_fds=[s.fileno() for s in theirs], stdin=subprocess.DEVNULL,
+                                        env=_child_env())
+            finally:
+                for s in theirs:
+                    s.close()
+            self.processes.append(proc)
+            for s in ours:
+                self._all.append(s)
+                self._free.put(s)
+
+    @property
+    def channels(self) -> int:
+        return len(self._all) - self._lost
+
+    def fill(self, path: str, limit: int, expect: FileId | None, timeout: float | None) -> tuple:  # type: ignore[type-arg]
+        """One request (see the module's protocol). Raises OSError(ETIMEDOUT) after
+        `timeout` (the channel is set aside until its late reply arrives), and
+        FetchUnavailable when no process can answer."""
+        if self._closed or self.channels <= 0:
+            raise FetchUnavailable
+        sock = self._free.get()
+        try:
+            if timeout != self._timeouts.get(sock.fileno()):
+                _set_timeout(sock, timeout)
+                self._timeouts[sock.fileno()] = timeout
+            _send(sock, (path, limit, None if expect is None else (expect.size, expect.mtime_ns, expect.ctime_ns)))
+            reply = _recv(sock)
+        except BlockingIOError:  # SO_RCVTIMEO ran out
+            threading.Thread(target=self._drain, args=(sock,), daemon=True).start()
+            raise OSError(errno.ETIMEDOUT, "source did not answer in time (fetch process)", path) from None
+        except (EOFError, OSError):
+            self._lose(sock)
+            raise FetchUnavailable from None
+        self._free.put(sock)
+        return reply  # type: ignore[return-value]
+
+    def _drain(self, sock: socket.socket) -> None:
+        """A late reply: read it, then the channel serves again."""
+        try:
+            _set_timeout(sock, None)
+            self._timeouts[sock.fileno()] = None
+            _recv(sock)
+        except (EOFError, OSError):
+            self._lose(sock)
+            return
+        self._free.put(sock)
+
+    def _lose(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._lost += 1
+            first = self._lost == 1
+        if first and not self._closed:
+            log.warning("a fetch process stopped answering; its files are fetched by the daemon itself")
+        try:
+            sock.close()
+        except OSError:
+            pass
+
+    def close(self, timeout: float = 5.0) -> None:
+        self._closed = True
+        for s in self._all:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            s.close()
+        for proc in self.processes:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def _set_timeout(sock: socket.socket, seconds: float | None) -> None:
+    """A timeout kept by the kernel (SO_RCVTIMEO, SO_SNDTIMEO), not by Python: a Python
+    socket timeout costs a poll() before every send and recv."""
+    usec = 0 if not seconds else max(1, int(seconds * 1e6))
+    tv = struct.pack("ll", usec // 1_000_000, usec % 1_000_000)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
+def _child_env() -> dict[str, str]:
+    """The worker imports this package as the daemon does, wherever it is installed."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def attr_of(values: tuple) -> Attr:  # type: ignore[type-arg]
+    return Attr(*values)
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

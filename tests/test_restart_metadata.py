@@ -1,0 +1,95 @@
+"""After a restart, the NVMe tier's index answers lookups with the attributes each file was
+cached under, and each directory is checked once, by one listing with attributes: a
+restarted job costs the source a request per directory, not one per file."""
+
+import time
+
+from cachefs.memsource import MemorySource
+from cachefs.stats import Stats
+from cachefs.tiers.disk import DiskTier
+from tests.helpers import make_core
+
+BS = 64 << 10
+
+
+def _restarted(tmp_path, source: MemorySource, files: dict[str, bytes], **kw):
+    for name, data in files.items():
+        source.add_file(name, data)
+    first = DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False)
+    core = make_core(source, disk=first, block_size=BS)
+    for name, data in files.items():
+        assert core.read(name, 0, len(data)) == data
+    core.close()
+    disk = DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False)
+    return make_core(source, disk=disk, block_size=BS, **kw)
+
+
+def _checked(core, directory: str) -> None:
+    deadline = time.monotonic() + 10
+    while directory not in core._checked_dirs:
+        assert time.monotonic() < deadline, "the directory was never checked"
+        time.sleep(0.01)
+
+
+FILES = {f"/d/f{i}": bytes([i]) * (1000 + i) for i in range(20)}
+
+
+def test_lookups_come_from_the_index_and_one_listing_checks_the_directory(tmp_path):
+    source = MemorySource()
+    core = _restarted(tmp_path, source, FILES)
+    before = dict(source.calls)
+    for name, data in FILES.items():
+        assert core.getattr(name).size == len(data)
+        assert core.read(name, 0, len(data)) == data
+    _checked(core, "/d")
+    assert source.calls["stat"] == before["stat"]  # not one per file
+    assert source.calls["read_range"] == before["read_range"]
+    assert source.calls["listdir"] == before.get("listdir", 0) + 1
+    # the first lookup came from the index; the listing it set off answered the rest
+    assert 1 <= core.stats.get("metadata.index_hits") <= len(FILES)
+    assert core.stats.get("metadata.index_stale") == 0
+    core.close()
+
+
+def test_a_listing_first_brings_the_attributes_and_the_index_is_not_needed(tmp_path):
+    source = MemorySource()
+    core = _restarted(tmp_path, source, FILES)
+    before = dict(source.calls)
+    assert sorted(e.name for e in core.readdir("/d")) == sorted(n[3:] for n in FILES)
+    for name, data in FILES.items():
+        assert core.getattr(name).size == len(data)
+    assert source.calls["stat"] == before["stat"]
+    assert source.calls["listdir"] == before.get("listdir", 0) + 1
+    assert core.stats.get("metadata.index_hits") == 0
+    core.close()
+
+
+def test_the_check_finds_files_changed_or_gone_and_invalidates_them(tmp_path):
+    source = MemorySource()
+    core = _restarted(tmp_path, source, FILES)
+    source.add_file("/d/f3", b"rewritten")
+    source.remove("/d/f4")
+    changed = []
+    core.on_source_changed = lambda path: (changed.append(path), core.invalidate(path))
+    source.hang("/d")  # the check waits until every lookup was answered
+    for name in FILES:
+        core.getattr(name)  # answered from the index: the version that was cached
+    assert core.stats.get("metadata.index_hits") == len(FILES)
+    source.release()
+    _checked(core, "/d")
+    assert sorted(changed) == ["/d/f3", "/d/f4"]
+    assert core.stats.get("metadata.index_stale") == 2
+    assert core.getattr("/d/f3").size == len(b"rewritten")
+    assert core.read("/d/f3", 0, 100) == b"rewritten"
+    core.close()
+
+
+def test_attributes_older_than_the_metadata_ttl_are_not_trusted(tmp_path):
+    source = MemorySource()
+    core = _restarted(tmp_path, source, FILES, metadata_ttl=0.01)
+    time.sleep(0.05)
+    before = source.calls["stat"]
+    core.getattr("/d/f1")
+    assert source.calls["stat"] == before + 1
+    assert core.stats.get("metadata.index_hits") == 0
+    core.close()
