@@ -289,28 +289,30 @@ class Core:
     def _check_dir(self, directory: str, entries: list[DirEntry]) -> None:
         """The first listing of a directory since the start, with attributes: its files'
         attributes are cached, and those the index answered with are compared."""
-        disk = self.cache.disk
+        prefix = directory.rstrip("/") + "/"
+        fresh = {}
+        for e in entries:
+            if e.attr is not None:
+                fresh[e.name] = e.attr
+                self._attrs.put(prefix + e.name, e.attr, self.metadata_ttl)
+        # Only now is the directory checked: until here a lookup found the index (and is
+        # in `answered`) or the listing's attributes, never the source.
         with self._check_lock:
             self._checked_dirs.add(directory)
             answered = self._answered.pop(directory, set())
-        prefix = directory.rstrip("/") + "/"
-        listed = set()
-        for e in entries:
-            if e.attr is None:
-                continue
-            child = prefix + e.name
-            listed.add(e.name)
-            self._attrs.put(child, e.attr, self.metadata_ttl)
-            known = disk.attr_of(child) if disk is not None else None
+        disk = self.cache.disk
+        assert disk is not None
+        for name, attr in fresh.items():
+            known = disk.attr_of(prefix + name)
             if known is None:
                 continue
             old = known[0]
-            if (old.size, old.mtime_ns, old.ctime_ns) == (e.attr.size, e.attr.mtime_ns, e.attr.ctime_ns):
-                disk.confirm(child)  # type: ignore[union-attr]
-            elif e.name in answered:
+            if (old.size, old.mtime_ns, old.ctime_ns) == (attr.size, attr.mtime_ns, attr.ctime_ns):
+                disk.confirm(prefix + name)
+            elif name in answered:
                 self.stats.incr("metadata.index_stale")
-                self.on_source_changed(child)  # the kernel may hold the old attributes
-        for name in answered - listed:  # gone from the source since it was cached
+                self.on_source_changed(prefix + name)  # the kernel may hold the old attributes
+        for name in answered - fresh.keys():  # gone from the source since it was cached
             self.stats.incr("metadata.index_stale")
             self.on_source_changed(prefix + name)
 
@@ -752,8 +754,10 @@ class Core:
             try:
                 reply = self._source_call("stat", fetchers.fill, path, self.block_size, expect,
                                           self.source_timeout or None)
-            except FetchUnavailable:
-                self.fetchers = None
+            except FetchUnavailable:  # this one is done here; all of them, if none is left
+                if fetchers.channels <= 0 and self.fetchers is fetchers:
+                    self.fetchers = None
+                    fetchers.close()
             except OSError:
                 self.stats.incr("prefetch.errors")
                 return "error", 0

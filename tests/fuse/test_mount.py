@@ -342,6 +342,29 @@ def test_passthrough_serves_a_cached_epoch_without_a_read(tmp_path, mounts):
     assert third["ram"]["hits"] - second["ram"]["hits"] == 200 and third["fuse"]["read"] == 0
 
 
+def test_a_remounted_cache_costs_the_store_a_request_or_two_per_directory(tmp_path, mounts):
+    """After a restart, lookups come from the attributes the NVMe tier stored, and one
+    listing per directory checks them: no request per file, no byte read again."""
+    src = tmp_path / "src"
+    _imagefolder(src)  # 4 directories of 50 files
+    slow = mounts.slowfs(str(src), latency="1ms")
+    mp = mounts.cachefs(str(slow))
+    _epoch(mp)
+    mounts.unmount(mp)
+    slowfs_reset(str(slow))
+    mp = mounts.cachefs(str(slow))
+    for c in range(4):
+        for i in range(50):
+            assert (mp / f"c{c}" / f"{i}.jpg").read_bytes() == (src / f"c{c}" / f"{i}.jpg").read_bytes()
+    s = slowfs_stats(str(slow))
+    assert s["read"] == 0 and s["open"] == 0
+    # per directory (and the root): its stat, and its listing (a few READDIRPLUS pages)
+    assert s["getattr"] + s["readdir"] <= 5 * 5, s
+    st = stats(mp)
+    # a stat per directory (two lookups of one directory at once may both ask)
+    assert st["source"]["stat"] <= 2 * 5, (st["source"], st["metadata"], s)
+
+
 def test_persistence_across_remount_reads_nothing_from_the_source(tmp_path, mounts):
     src = tmp_path / "src"
     src.mkdir()

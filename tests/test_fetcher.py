@@ -1,0 +1,107 @@
+"""Fetch processes (cachefs/fetcher.py): real child processes reading a real directory and
+writing entry files, as the daemon uses them; and the core falling back to its own
+threads when they are gone."""
+
+import errno
+import os
+
+import pytest
+
+from cachefs.blocks import FileId, entry_id
+from cachefs.fetcher import Fetchers, FetchUnavailable
+from cachefs.source import LocalSource
+from cachefs.stats import Stats
+from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.store import block_hash
+from tests.helpers import make_core
+
+BS = 1 << 20
+NS = b"ns"
+
+
+@pytest.fixture
+def pool(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    fetchers = Fetchers(str(src), str(data_dir), NS, BS, processes=1, channels=2)
+    yield src, data_dir, fetchers
+    fetchers.close()
+
+
+def _entry_file(data_dir, path, st):
+    name = entry_id(NS, FileId(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns), BS).hex()
+    return data_dir / name[:2] / name
+
+
+def test_a_small_file_is_read_once_and_written_as_its_entry(pool):
+    src, data_dir, fetchers = pool
+    payload = os.urandom(123_456)
+    (src / "a.jpg").write_bytes(payload)
+    kind, attr, h = fetchers.fill("/a.jpg", BS, None, 5)
+    st = os.stat(src / "a.jpg")
+    assert kind == "stored" and attr[4] == len(payload) and h == block_hash(payload)
+    assert (attr[6], attr[7]) == (st.st_mtime_ns, st.st_ctime_ns)
+    assert _entry_file(data_dir, "/a.jpg", st).read_bytes() == payload
+    # a second fill finds the file there and leaves it alone
+    assert fetchers.fill("/a.jpg", BS, None, 5)[0] == "exists"
+
+
+def test_large_changed_missing_and_not_a_file(pool):
+    src, _, fetchers = pool
+    (src / "big").write_bytes(b"x" * (BS + 1))
+    (src / "d").mkdir()
+    (src / "f").write_bytes(b"abc")
+    assert fetchers.fill("/big", BS, None, 5)[0] == "large"
+    st = os.stat(src / "f")
+    assert fetchers.fill("/f", BS, FileId("/f", 4, st.st_mtime_ns, st.st_ctime_ns), 5) == ("changed",)
+    kind, code, _ = fetchers.fill("/missing", BS, None, 5)
+    assert (kind, code) == ("error", errno.ENOENT)
+    assert fetchers.fill("/d", BS, None, 5)[0] == "error"
+
+
+def test_a_symlink_out_of_the_source_is_not_followed(pool, tmp_path):
+    src, _, fetchers = pool
+    (tmp_path / "secret").write_bytes(b"secret")
+    os.symlink(tmp_path / "secret", src / "link")
+    kind, code, _ = fetchers.fill("/link", BS, None, 5)
+    assert kind == "error" and code == errno.ELOOP
+
+
+def test_a_dead_fetch_process_is_reported_not_waited_for(pool):
+    src, _, fetchers = pool
+    (src / "f").write_bytes(b"abc")
+    for proc in fetchers.processes:
+        proc.kill()
+        proc.wait()
+    with pytest.raises(FetchUnavailable):
+        fetchers.fill("/f", BS, None, 5)
+
+
+def test_the_core_adopts_what_they_write_and_does_the_work_itself_without_them(tmp_path):
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    files = {f"/d/{i}.jpg": os.urandom(10_000 + i) for i in range(6)}
+    for name, data in files.items():
+        (src / name.lstrip("/")).write_bytes(data)
+    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
+    core = make_core(LocalSource(str(src)), disk=disk, block_size=BS)
+    core.passthrough = True
+    core.fetchers = Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2)
+    try:
+        assert [core.prefetch_small(n)[0] for n in list(files)[:3]] == ["fetched"] * 3
+        for proc in core.fetchers.processes:
+            proc.kill()
+            proc.wait()
+        assert [core.prefetch_small(n)[0] for n in list(files)[3:]] == ["fetched"] * 3
+        assert core.fetchers is None  # gone: the core fetches in its own threads from now on
+        for name, data in files.items():
+            backing = core.cache.acquire_backing(core.entry_id(core.file_id(name)))
+            assert backing is not None and open(backing.path, "rb").read() == data
+        assert core.stats.get("prefetch.blocks") == 6 and core.stats.get("source.read_range") == 6
+        disk.check()
+    finally:
+        if core.fetchers is not None:
+            core.fetchers.close()
+        core.close()
