@@ -40,13 +40,12 @@ def test_lmdb_with_readahead_off(tmp_path, mounts):
     mp = mounts.cachefs(str(slow))
 
     def check():
-        with lmdb.open(str(mp / "db"), readonly=True, lock=False, readahead=False) as env:
-            with env.begin() as txn:
-                keys = list(records)
-                rng.shuffle(keys)
-                for k in keys:
-                    assert txn.get(k) == records[k]
-                assert sum(1 for _ in txn.cursor()) == len(records)
+        with lmdb.open(str(mp / "db"), readonly=True, lock=False, readahead=False) as env, env.begin() as txn:
+            keys = list(records)
+            rng.shuffle(keys)
+            for k in keys:
+                assert txn.get(k) == records[k]
+            assert sum(1 for _ in txn.cursor()) == len(records)
 
     _two_passes(mp, check)
 
