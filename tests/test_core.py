@@ -266,6 +266,28 @@ def test_random_reader_triggers_no_read_ahead(source):
     assert len(p) == 0 and core.stats.get("prefetch.blocks") == 0
 
 
+def test_a_random_reader_fetches_what_it_asks_for_then_the_block_on_its_second_miss(source):
+    """Never more bytes from the store than a direct read for a block's first miss; the
+    block whole (and cached) on its second, so the next epoch is served from the cache."""
+    data = blob(40 * BS)
+    source.add_file("/big", data)
+    core, _ = make_ra_core(source, readahead="file")
+    for i in (17, 3, 29):  # two scattered reads make a random reader
+        assert core.read("/big", i * BS + 5000, 9000) == data[i * BS + 5000:i * BS + 14000]
+    before = source.bytes_read
+    assert core.read("/big", 8 * BS + 100, 10_000) == data[8 * BS + 100:8 * BS + 10_100]
+    assert source.bytes_read - before == 12288  # the 4 KiB pages around the range
+    assert core.stats.get("source.partial_reads") >= 1
+    # the same block again: fetched whole, and then served from the cache
+    assert core.read("/big", 8 * BS + 30_000, 5000) == data[8 * BS + 30_000:8 * BS + 35_000]
+    assert source.bytes_read - before == 12288 + BS
+    assert core.read("/big", 8 * BS, 777) == data[8 * BS:8 * BS + 777]
+    assert source.bytes_read - before == 12288 + BS
+    # a read that spans blocks, and one at the end of the file
+    assert core.read("/big", 20 * BS - 50, 100) == data[20 * BS - 50:20 * BS + 50]
+    assert core.read("/big", 40 * BS - 10, 100) == data[40 * BS - 10:]
+
+
 def test_read_ahead_never_evicts_cached_data(source):
     source.add_file("/a", blob(BS, 1))
     source.add_file("/big", blob(20 * BS, 2))

@@ -79,6 +79,9 @@ def _subject(args: tuple) -> str:
     return str(getattr(args[0], "path", args[0])) if args else ""
 
 
+MISSED_BLOCKS = 1 << 16  # blocks of big files a random reader missed once (see _scattered_block)
+
+
 def source_namespace(source_root: str) -> bytes:
     """A short, stable id of a source directory, the first field of every cache key."""
     return hashlib.blake2b(source_root.encode("utf-8", "surrogateescape"), digest_size=8).hexdigest().encode()
@@ -210,6 +213,8 @@ class Core:
         self._reading_cond = threading.Condition()
         self._inflight: dict[BlockKey, Future] = {}
         self._inflight_lock = threading.Lock()
+        self._missed: OrderedDict[BlockKey, None] = OrderedDict()  # blocks read in part once
+        self._missed_lock = threading.Lock()
         # Around anything that may wait on the source: the FUSE session sets it so that
         # another thread takes requests meanwhile (cachefs.fuse.session.Session.blocking).
         self.blocking: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
@@ -502,28 +507,31 @@ class Core:
         blocks = block_range(offset, size, fid.size, self.block_size)
         if not blocks:
             return b""
-        if self.readahead != "off":
-            self._read_ahead(fid, offset, size)
+        scattered = self.readahead != "off" and self._read_ahead(fid, offset, size)
         end = min(offset + size, fid.size)
         parts = []
         served: dict[str, int] = {}
         for index in blocks:
-            data, tier = self._block(fid, index)
             start = index * self.block_size
             lo = max(offset, start) - start
-            hi = min(end, start + len(data)) - start
-            parts.append(data if (lo == 0 and hi == len(data)) else data[lo:hi])
-            served[f"{tier}.served_bytes"] = served.get(f"{tier}.served_bytes", 0) + hi - lo
+            hi = min(end, start + self.block_size) - start
+            data, tier = (self._scattered_block(fid, index, lo, hi) if scattered and hi - lo < self.block_size
+                          else self._block(fid, index, lo=lo, hi=hi))
+            parts.append(data)
+            served[f"{tier}.served_bytes"] = served.get(f"{tier}.served_bytes", 0) + len(data)
         out = parts[0] if len(parts) == 1 else b"".join(parts)
         served["reads.bytes"] = len(out)
         self.stats.add_many(served)
         return out
 
-    def _block(self, fid: FileId, index: int, to_ram: bool = True) -> tuple[bytes, str]:
-        """One block for a reader: RAM, NVMe, or the source (single flight); `to_ram`: a
-        block from the source is offered to RAM too (not for passthrough fills: see open_file)."""
+    def _block(self, fid: FileId, index: int, to_ram: bool = True, lo: int = 0,
+               hi: int | None = None) -> tuple[bytes, str]:
+        """Bytes [lo:hi] of one block for a reader: RAM, NVMe, or the source (single
+        flight); `to_ram`: a block from the source is offered to RAM too (not for
+        passthrough fills: see open_file)."""
         key = block_key(self.namespace, fid, index, self.block_size)
-        data = self.cache.ram.get(key)
+        data = self.cache.ram.get(key, lo, hi)
+        whole = data is None  # the other ways bring the whole block
         if data is not None:
             result = data, "ram"
             self.stats.incr("ram.hits")
@@ -539,7 +547,7 @@ class Core:
                 if not result[0] and fid.size > index * self.block_size:
                     # prefetch_small's fetch, whose bytes went straight to the NVMe tier
                     # (or were refused): look again, and fetch if they are not there
-                    return self._block(fid, index, to_ram)
+                    return self._block(fid, index, to_ram, lo, hi)
                 # Counted where the shared fetch found the block: a read that waited for
                 # another's NVMe hit was served by the cache, not the source.
                 self.stats.add_many(_WAITED[result[1]] if self.cache.disk is not None else _WAITED_NO_DISK[result[1]])
@@ -549,7 +557,45 @@ class Core:
             self._note_used(key)
         if self.hints is not None and self.hints.holding:
             self.hints.on_read(key)
+        if whole and (lo, hi) != (0, None) and (lo, hi) != (0, len(result[0])):
+            result = result[0][lo:hi], result[1]
         return result
+
+    def _scattered_block(self, fid: FileId, index: int, lo: int, hi: int) -> tuple[bytes, str]:
+        """Part of a block for a reader that jumps around a big file. A miss fetches only
+        the part asked for (in whole 4 KiB pages), the first time: a 128 KiB random read
+        that fetched a whole 1 MiB block cost eight times the store's bandwidth, and was
+        slower than reading the store directly. The block is fetched whole (and cached),
+        in the background, when it is missed a second time, as the next epoch does."""
+        key = block_key(self.namespace, fid, index, self.block_size)
+        cache = self.cache
+        if (key in cache.ram or (cache.disk is not None and cache.disk.probably_has(key))
+                or key in self._inflight):
+            return self._block(fid, index, lo=lo, hi=hi)
+        with self._missed_lock:
+            again = key in self._missed
+            if again:
+                del self._missed[key]
+            else:
+                self._missed[key] = None
+                if len(self._missed) > MISSED_BLOCKS:
+                    self._missed.popitem(last=False)
+        if again:
+            if self.prefetcher is None:
+                return self._block(fid, index, lo=lo, hi=hi)
+            # the whole block in the background; this read does not wait for it
+            self.prefetcher.submit((fid, index), functools.partial(self.prefetch_block, fid, index), READAHEAD)
+        start = index * self.block_size
+        a, b = (start + lo) & ~4095, min(fid.size, -(-(start + hi) // 4096) * 4096)
+        try:
+            data = self._source_call("read_range", self.source.read_range, fid, a, b - a)
+        except SourceChanged:
+            self.stats.incr("source.changed")
+            self._version_gone(fid)
+            self.on_source_changed(fid.path)
+            raise
+        self.stats.add_many({"source.bytes": len(data), "source.partial_reads": 1})
+        return data[start + lo - a:start + hi - a], "source"
 
     def _wait(self, pending: Future) -> tuple[bytes, str]:
         """Another thread's fetch of the block we need: at most --source-timeout (it may be a
@@ -623,17 +669,22 @@ class Core:
 
     # -- read-ahead ------------------------------------------------------------------------
 
-    def _read_ahead(self, fid: FileId, offset: int, size: int) -> None:
+    def _read_ahead(self, fid: FileId, offset: int, size: int) -> bool:
         """Called on every read: queue the blocks the sequential policy wants next, and
-        (in dir mode) tell the directory read-ahead that this file's directory is in use."""
+        (in dir mode) tell the directory read-ahead that this file's directory is in use.
+        Returns whether the reader of this big file reads at random (see _block)."""
         assert self.prefetcher is not None
+        scattered = False
         if fid.size > self.block_size:
             with self._streams_lock:
-                ahead = self._streams.get(fid).on_read(offset, size, fid.size)
+                stream = self._streams.get(fid)
+                ahead = stream.on_read(offset, size, fid.size)
+                scattered = stream.random
             for index in ahead:
                 self.prefetcher.submit((fid, index), functools.partial(self.prefetch_block, fid, index), READAHEAD)
         if offset == 0 and self.dir_readahead is not None:
             self.dir_readahead.touch(fid.path)
+        return scattered
 
     def prefetch_block(self, fid: FileId, index: int) -> str:
         """Fetch one block ahead of need, into whatever tier has free room.

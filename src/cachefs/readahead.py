@@ -28,6 +28,12 @@ class SequentialReadahead:
         self.streak = 0          # consecutive sequential reads seen
         self.next_end = -1       # where the last read ended
         self.issued_upto = -1    # highest block index already returned for fetching
+        self.scattered = 0       # consecutive reads that were not sequential
+
+    @property
+    def random(self) -> bool:
+        """The reader jumps around: at least two reads in a row were not sequential."""
+        return self.scattered >= 2
 
     def on_read(self, offset: int, size: int, file_size: int) -> list[int]:
         """Record a read; return the block indices to fetch ahead (maybe none)."""
@@ -36,6 +42,7 @@ class SequentialReadahead:
         if offset == 0 and self.next_end < 0:
             sequential = True  # a read from the start is how a sequential scan begins
         self.next_end = max(end, self.next_end) if sequential else end
+        self.scattered = 0 if sequential else self.scattered + 1
         if not sequential:
             self.streak = 0
             self.window = 0

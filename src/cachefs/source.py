@@ -13,6 +13,7 @@ import logging
 import os
 import stat as stat_mod
 import threading
+from collections import OrderedDict
 from typing import NamedTuple, Protocol
 
 from cachefs.blocks import FileId
@@ -130,6 +131,9 @@ def _load_syscall():  # type: ignore[no-untyped-def]
 _syscall = _load_syscall()
 
 
+KEPT_FILES = 64  # big source files kept open between block reads
+
+
 class LocalSource:
     """A directory reachable through the local VFS (NFS, SMB, sshfs, HDD, another FUSE).
 
@@ -147,6 +151,8 @@ class LocalSource:
         # the file's owner (or root), so fall back without it on EPERM.
         self._noatime = getattr(os, "O_NOATIME", 0)
         self._direct = hasattr(os, "O_DIRECT")
+        self._kept: OrderedDict[tuple[FileId, bool], int] = OrderedDict()  # see _open_kept
+        self._kept_lock = threading.Lock()
         self._root_fd = -1
         self._root_lock = threading.Lock()
         self._openat2 = _syscall is not None and os.uname().sysname == "Linux"
@@ -295,17 +301,47 @@ class LocalSource:
         return self._read_range(fid, offset, size, direct=False)
 
     def _read_range(self, fid: FileId, offset: int, size: int, direct: bool) -> bytes:
-        fd = self._open_file(fid.path, direct)
+        part = size < fid.size  # a block of a big file: more are likely to follow
+        fd = self._open_kept(fid, direct) if part else self._open_file(fid.path, direct)
         try:
             data = _pread_direct(fd, offset, size) if direct else _pread(fd, offset, size)
             # Checked after the read, on the descriptor read from: a file that was another
             # version when opened, or was rewritten during the read, fails here.
             self._check(fd, fid)
+        except BaseException:
+            if part:
+                self._forget_kept(fid, direct)
+            raise
         finally:
             os.close(fd)
         if len(data) != size:
             raise SourceChanged(fid.path)
         return data
+
+    def _open_kept(self, fid: FileId, direct: bool) -> int:
+        """A descriptor of this file version for the caller to close: big files stay open
+        between block reads (KEPT_FILES of them), so a read is one request to the store,
+        not an open and a read. Each read is still checked against the version (_check)."""
+        key = (fid, direct)
+        with self._kept_lock:
+            fd = self._kept.get(key)
+            if fd is not None:
+                self._kept.move_to_end(key)
+                return os.dup(fd)
+        fd = self._open_file(fid.path, direct)
+        with self._kept_lock:
+            old = self._kept.pop(key, None)
+            self._kept[key] = fd
+            extra = [self._kept.popitem(last=False)[1] for _ in range(max(0, len(self._kept) - KEPT_FILES))]
+        for x in extra + ([old] if old is not None else []):
+            os.close(x)
+        return os.dup(fd)
+
+    def _forget_kept(self, fid: FileId, direct: bool) -> None:
+        with self._kept_lock:
+            fd = self._kept.pop((fid, direct), None)
+        if fd is not None:
+            os.close(fd)
 
     def read_whole(self, path: str, limit: int, expect: FileId | None = None) -> tuple[Attr, bytes | None]:
         """A small file in one visit: open, fstat, read, check, close. Returns its attributes

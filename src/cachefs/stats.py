@@ -44,7 +44,7 @@ COUNTERS: tuple[str, ...] = (
     "disk.refused", "disk.no_room", "disk.checksum_failures", "disk.errors", "disk.scrubbed_bytes",
     "disk.suspensions", "disk.suspended_writes",
     "source.served_bytes", "source.bytes", "source.errors", "source.changed", "source.timeouts",
-    "source.down_events", "source.fast_failures",
+    "source.down_events", "source.fast_failures", "source.partial_reads",
     *(f"source.{op}" for op in SOURCE_OPS),
     "metadata.hits", "metadata.misses", "metadata.stale_served", "metadata.index_hits", "metadata.index_stale",
     "fuse.errors", *(f"fuse.{op}" for op in FUSE_OPS), *(f"fuse.{op}_us" for op in FUSE_OPS),

@@ -227,10 +227,11 @@ class FileStore:
         e = self._entries.get(eid)
         return None if e is None else EntryInfo(e.path, e.attr, e.block_size)
 
-    def get(self, key: BlockKey) -> bytes | None:
-        """The block's bytes, counting an access; None (a miss) if it is not held, cannot
-        be read, or fails its check."""
-        data = self._read(key)
+    def get(self, key: BlockKey, lo: int = 0, hi: int | None = None) -> bytes | None:
+        """The block's bytes [lo:hi], counting an access; None (a miss) if it is not held,
+        cannot be read, or fails its check. Only the range is read (a 4 KiB page fault
+        does not copy a 1 MiB block), unless the block is still to be checked."""
+        data = self._read(key, lo=lo, hi=hi)
         with self._lock:
             if data is not None and key in self.policy:
                 self.policy.hit(key)
@@ -242,10 +243,11 @@ class FileStore:
         """The block if held, without counting an access (a re-check, not a read)."""
         return self._read(key)
 
-    def _read(self, key: BlockKey, buffered: bool = False) -> bytes | None:
-        """The block's bytes, checked against its hash if it has not been since the start.
-        `buffered`: through the page cache even where the tier reads with O_DIRECT (for a
-        file the kernel is about to read directly: it finds the pages there)."""
+    def _read(self, key: BlockKey, buffered: bool = False, lo: int = 0, hi: int | None = None) -> bytes | None:
+        """The block's bytes [lo:hi], checked against its hash if it has not been since the
+        start (then the whole block is read). `buffered`: through the page cache even where
+        the tier reads with O_DIRECT (for a file the kernel is about to read directly: it
+        finds the pages there)."""
         eid, index = key
         with self._lock:
             e = self._entries.get(eid)
@@ -254,22 +256,34 @@ class FileStore:
             expected = e.hashes[index]
             check = e.unverified is not None and index in e.unverified
             offset, length = e.extent(index)
+        hi = length if hi is None else min(hi, length)
+        lo = min(max(lo, 0), hi)
+        part = not check and (lo, hi) != (0, length)
         start = time.perf_counter()
         direct = self._direct and not buffered
         try:
             fd = self._fds.get(e.name) if not buffered else os.open(self.file_of(e.name), os.O_RDONLY | os.O_CLOEXEC)
             try:
-                data = pread_direct(fd, offset, length) if direct else pread(fd, offset, length)
+                if part and not direct:
+                    data = pread(fd, offset + lo, hi - lo)
+                elif part:  # O_DIRECT: aligned pages around the range
+                    a = lo & ~4095
+                    data = pread_direct(fd, offset + a, min(length, -(-hi // 4096) * 4096) - a)[lo - a:hi - a]
+                else:
+                    data = pread_direct(fd, offset, length) if direct else pread(fd, offset, length)
             finally:
                 os.close(fd)
         except OSError as exc:
             self._read_failed(key, exc)
             return None
-        if len(data) != length or (check and block_hash(data) != expected):
-            self._failed_check(key, "short" if len(data) != length else "checksum mismatch")
+        want = hi - lo if part else length
+        if len(data) != want or (check and block_hash(data) != expected):
+            self._failed_check(key, "short" if len(data) != want else "checksum mismatch")
             return None
         if check:
             self._verified(e, index)
+            if (lo, hi) != (0, length):
+                data = data[lo:hi]
         self.read_latency += (time.perf_counter() - start - self.read_latency) * 0.05
         self._read_ok()
         return data
