@@ -105,3 +105,31 @@ def test_the_core_adopts_what_they_write_and_does_the_work_itself_without_them(t
         if core.fetchers is not None:
             core.fetchers.close()
         core.close()
+
+
+def test_the_budget_holds_with_fetches_in_flight(tmp_path):
+    """Files fetch processes write count against the NVMe budget before they are admitted:
+    with more files than room, what is admitted fits, and nothing is left unadmitted."""
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {f"/{i}.jpg": os.urandom(40_000) for i in range(40)}
+    for name, data in files.items():
+        (src / name.lstrip("/")).write_bytes(data)
+    budget = 600_000
+    disk = DiskTier(str(tmp_path / "cache"), budget, Stats(), scrub=False)
+    core = make_core(LocalSource(str(src)), disk=disk, block_size=64 << 10)
+    core.passthrough = True
+    core.fetchers = Fetchers(str(src), disk.data_dir, core.namespace, 64 << 10, processes=1, channels=4)
+    try:
+        import concurrent.futures as cf
+
+        with cf.ThreadPoolExecutor(8) as ex:
+            outcomes = list(ex.map(lambda n: core.prefetch_small(n)[0], files))
+        assert "fetched" in outcomes and "no_room" in outcomes
+        on_disk = [p for p in (tmp_path / "cache" / "data").rglob("*") if p.is_file()]
+        assert len(on_disk) == outcomes.count("fetched") == len(disk._entries)
+        assert sum(p.stat().st_blocks * 512 for p in on_disk) <= budget
+        disk.check()
+    finally:
+        core.fetchers.close()
+        core.close()

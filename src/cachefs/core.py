@@ -800,8 +800,16 @@ class Core:
         disk = self.cache.disk
         assert disk is not None
         fetchers = self.fetchers
-        reply: tuple | None = None  # type: ignore[type-arg]
-        if fetchers is not None:
+        if fetchers is None:
+            return self._small_fetched(path, key, self._read_small(path, expect), None)
+        # A fetch process writes the file before the daemon admits it: its room in the
+        # budget is held meanwhile (and handed to the admission), so the budget holds
+        # with fetches in flight.
+        room = [expect.size if expect is not None else self.block_size]
+        if not disk.reserve(room[0]):
+            self.stats.incr("prefetch.no_room")
+            return "no_room", 0
+        try:
             try:
                 reply = self._source_call("stat", fetchers.fill, path, self.block_size, expect,
                                           self.source_timeout or None)
@@ -809,20 +817,31 @@ class Core:
                 if fetchers.channels <= 0 and self.fetchers is fetchers:
                     self.fetchers = None
                     fetchers.close()
+                reply = self._read_small(path, expect)
             except OSError:
-                self.stats.incr("prefetch.errors")
-                return "error", 0
-        data = None
-        if reply is None:  # in this process
-            try:
-                attr, data = self._source_call("stat", self.source.read_whole, path, self.block_size, expect)
-            except SourceChanged:
-                reply = ("changed",)
-            except OSError:
-                self.stats.incr("prefetch.errors")
-                return "error", 0
-            else:
-                reply = ("read", tuple(attr)) if data is not None else ("large", tuple(attr))
+                reply = ("error",)
+            return self._small_fetched(path, key, reply, room)
+        finally:
+            if room[0]:
+                disk.unreserve(room[0])
+
+    def _read_small(self, path: str, expect: FileId | None) -> tuple:  # type: ignore[type-arg]
+        """prefetch_small's visit to the source in this process, as a fetch process's reply
+        (with the bytes at the end: ("read", attr, data))."""
+        try:
+            attr, data = self._source_call("stat", self.source.read_whole, path, self.block_size, expect)
+        except SourceChanged:
+            return ("changed",)
+        except OSError:
+            return ("error",)
+        return ("read", tuple(attr), data) if data is not None else ("large", tuple(attr))
+
+    def _small_fetched(self, path: str, key: BlockKey | None, reply: tuple,  # type: ignore[type-arg]
+                       room: list[int] | None) -> tuple[str, int] | None:
+        """What prefetch_small does with the answer: cache the attributes, adopt or store
+        the file (handing the held `room` to the admission), count."""
+        disk = self.cache.disk
+        assert disk is not None
         kind = reply[0]
         if kind == "changed":
             self.stats.incr("source.changed")
@@ -850,10 +869,11 @@ class Core:
             self._ahead.add(key)  # before it is visible in a tier (see prefetch_block)
         info = EntryInfo(path, attr, self.block_size)
         if kind == "read":
-            assert data is not None
-            admitted = disk.put(key, data, info, evict=False)
+            admitted = disk.put(key, reply[2], info, evict=False)
         else:
-            admitted = disk.adopt(key, attr.size, reply[2], info) != "refused"
+            assert room is not None
+            held, room[0] = room[0], 0
+            admitted = disk.adopt(key, attr.size, reply[2], info, reserved=held) != "refused"
         if not admitted:
             with self._ahead_lock:
                 self._ahead.discard(key)

@@ -164,7 +164,8 @@ class DiskTier(FileStore):
                 self._free_estimate = free
                 limit = min(limit, self.policy.used + free - self._min_free)
             limit = max(0, limit)
-            self.policy.capacity = limit
+            self.policy.capacity = limit - self._reserved  # (may be negative while it shrinks)
+            limit = self.policy.capacity
             victims = self.policy.shrink(self.policy.used - limit) if self.policy.used > limit else []
         self._evict(victims)
 

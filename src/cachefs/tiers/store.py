@@ -157,6 +157,7 @@ class FileStore:
         self.on_drop: list[Callable[[bytes], None]] = []  # told of every entry dropped whole
         self.read_latency = 0.0  # seconds: moving average of a block read that hit
         self._made_dirs: set[str] = set()
+        self._reserved = 0  # bytes held for files fetch processes are writing (see reserve)
 
     # -- paths and descriptors --------------------------------------------------------
 
@@ -382,18 +383,41 @@ class FileStore:
         self._stats.add_many({f"{self.name}.writes": 1, f"{self.name}.written_bytes": len(data)})
         return True
 
-    def adopt(self, key: BlockKey, size: int, h: int, info: EntryInfo, evict: bool = False) -> str:
+    def reserve(self, size: int) -> bool:
+        """Hold `size` bytes of the budget for a file a fetch process is about to write
+        (it is written before it is admitted): False if they are not free. Every reserve
+        is followed by one release() of the same size."""
+        size = allocated(size)
+        with self._lock:
+            if not self._usable() or self.policy.used + size > self.policy.capacity:
+                return False
+            self._reserved += size
+            self.policy.capacity -= size
+            return True
+
+    def unreserve(self, size: int) -> None:
+        size = allocated(size)
+        with self._lock:
+            self._reserved -= size
+            self.policy.capacity += size
+
+    def adopt(self, key: BlockKey, size: int, h: int, info: EntryInfo, evict: bool = False,
+              reserved: int = 0) -> str:
         """Take the file a fetch process wrote at this entry's path (cachefs/fetcher.py) as
         the entry, whose one block is `key`: "adopted"; "held" if the entry exists already
         (someone else wrote it, or is writing it: the file is theirs); "refused" if the
-        policy does not admit it, or the tier takes no writes (the file is deleted)."""
+        policy does not admit it, or the tier takes no writes (the file is deleted).
+        `reserved`: room held for it by reserve(), given back here in the same step."""
         eid, index = key
         name = eid.hex()
         path = self.file_of(name)
         victims = None
         if self._writable():
             asize = allocated(size)
-            with self._lock:
+            with self._lock:  # (an RLock) the held room goes to this admission, no other
+                if reserved:
+                    self.unreserve(reserved)
+                    reserved = 0
                 if eid in self._entries:
                     return "held"
                 self._before_admit(asize)
@@ -407,6 +431,8 @@ class FileStore:
                     self._entries[eid] = e
                     self._made_dirs.add(os.path.dirname(path))
                     self._recorded(e, index, h, True)
+        if reserved:
+            self.unreserve(reserved)
         if victims is None:
             try:
                 os.unlink(path)
