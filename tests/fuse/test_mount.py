@@ -586,6 +586,41 @@ def test_corrupted_cache_block_is_detected_and_refetched(tmp_path, mounts, fault
                  f"source.read_range={s['source']['read_range']} (refetched)")
 
 
+def test_every_cache_file_scribbled_on_costs_refetches_not_the_mount(tmp_path, mounts, fault_report):
+    """A few bytes overwritten in every file of the cache over 1 KiB, the index included:
+    the next mount starts, sets aside or skips what does not verify, warns once, and
+    serves every file's own bytes."""
+    src = tmp_path / "src"
+    _imagefolder(src)
+    cache = tmp_path / "cache"
+    mp = mounts.cachefs(str(src), cache_dir=cache)
+    _epoch(mp)
+    mounts.unmount(mp)
+    hit = 0
+    for d, _, names in os.walk(cache / "store"):
+        for name in names:
+            path = os.path.join(d, name)
+            size = os.path.getsize(path)
+            if size > 1024:
+                with open(path, "r+b") as f:
+                    for at in (size // 3, size // 2, size - 100):
+                        f.seek(at)
+                        f.write(b"\xde\xad\xbe\xef")
+                hit += 1
+    assert hit > 100
+    mp = mounts.cachefs(str(src), cache_dir=cache)
+    for c in range(4):
+        for i in range(50):
+            assert (mp / f"c{c}" / f"{i}.jpg").read_bytes() == (src / f"c{c}" / f"{i}.jpg").read_bytes()
+    s = stats(mp)
+    warnings = [line for line in (cache / "cachefs.log").read_text().splitlines() if " WARNING " in line]
+    assert len(warnings) <= 2, warnings  # one for the index's damaged lines, one for the blocks
+    assert s["disk"]["checksum_failures"] > 100
+    fault_report(f"bytes overwritten in every cache file over 1 KiB, the index included ({hit} files)",
+                 "mount starts; 200 files exact", f"disk.checksum_failures={s['disk']['checksum_failures']}, "
+                 f"source.read_range={s['source']['read_range']}; {len(warnings)} warning lines")
+
+
 def test_a_file_rewritten_mid_read_is_never_served_as_a_mix(tmp_path, mounts, fault_report):
     src = tmp_path / "src"
     src.mkdir()

@@ -158,6 +158,7 @@ class FileStore:
         self.read_latency = 0.0  # seconds: moving average of a block read that hit
         self._made_dirs: set[str] = set()
         self._reserved = 0  # bytes held for files fetch processes are writing (see reserve)
+        self._warned_check = False
 
     # -- paths and descriptors --------------------------------------------------------
 
@@ -301,8 +302,13 @@ class FileStore:
 
     def _failed_check(self, key: BlockKey, why: str) -> None:
         self._stats.incr(f"{self.name}.checksum_failures")
-        log.warning("cached block %d of %s failed verification (%s); dropping it and refetching",
-                    key[1], self._entries[key[0]].path if key[0] in self._entries else key[0].hex(), why)
+        path = self._entries[key[0]].path if key[0] in self._entries else key[0].hex()
+        if not self._warned_check:  # once: a scribbled-on cache would otherwise log a line per file
+            self._warned_check = True
+            log.warning("cached block %d of %s failed verification (%s); dropping it and refetching "
+                        "(further failures: %s.checksum_failures in cachefs stats)", key[1], path, why, self.name)
+        else:
+            log.debug("cached block %d of %s failed verification (%s)", key[1], path, why)
         self.discard(key)
 
     def _verified(self, e: Entry, index: int) -> None:
