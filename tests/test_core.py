@@ -6,6 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cachefs import warm as warming
 from cachefs.blocks import FileId, block_key
 from cachefs.memsource import MemorySource
 from tests.helpers import make_core
@@ -358,15 +359,15 @@ def test_warm_loads_a_tree_in_order_and_resumes(source):
         for i in range(4):
             source.add_file(f"/ds/c{c}/{i}.jpg", blob(3000 + i, c * 10 + i))
     core, p = make_ra_core(source, readahead="off")
-    job = core.start_warm(["/ds"])
+    job = warming.start(core, ["/ds"])
     p.run_until_idle()
     assert job.done
     prog = job.progress()
     assert prog["state"] == "done" and prog["files_loaded"] == 12 and prog["files_total"] == 12
     assert prog["bytes_loaded"] == sum(3000 + i for i in range(4)) * 3
-    core.finish_warm(job)
+    warming.finish(core, job)
     reads = source.calls["read_range"]
-    job2 = core.start_warm(["/ds"])               # again: everything is cached already
+    job2 = warming.start(core, ["/ds"])               # again: everything is cached already
     p.run_until_idle()
     assert job2.progress()["files_cached"] == 12 and source.calls["read_range"] == reads
 
@@ -375,7 +376,7 @@ def test_warm_stops_when_the_cache_is_full_and_says_so(source):
     for i in range(10):
         source.add_file(f"/ds/{i}.bin", blob(BS, i))
     core, p = make_ra_core(source, readahead="off", ram=3 * BS, block_size=BS)
-    job = core.start_warm(["/ds"])
+    job = warming.start(core, ["/ds"])
     p.run_until_idle()
     prog = job.progress()
     assert prog["state"] == "no_room"

@@ -121,6 +121,21 @@ def test_the_daemon_and_the_cli_never_import_torch():
     assert out.strip() == "[]"
 
 
+def test_the_job_side_helpers_never_import_the_daemon():
+    """cachefs.torch and diagnose run inside training jobs: they talk to a mount through
+    its control socket and xattrs, and load nothing of the daemon (FUSE, core, tiers)."""
+    import subprocess
+    import sys
+
+    daemon = ("cachefs.core", "cachefs.fs", "cachefs.fuse", "cachefs.daemon", "cachefs.mount", "cachefs.hints",
+              "cachefs.tiers", "cachefs.fetcher", "cachefs.prefetch", "cachefs.source")
+    code = ("import sys, cachefs.diagnose, cachefs.hintclient, cachefs.mounttable\n"
+            "try:\n    import cachefs.torch\nexcept ImportError:\n    pass\n"
+            f"print(sorted(m for m in sys.modules for d in {daemon!r} if m == d or m.startswith(d + '.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
 def test_without_torch_diagnose_says_how_to_get_it(tmp_path, capsys, monkeypatch):
     import builtins
 

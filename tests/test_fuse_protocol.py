@@ -232,6 +232,16 @@ def test_getattr_readlink_open_read_release_statfs(kernel, session):
     assert error == 0 and len(out) == 80 and p.STATFS_OUT.unpack(out)[5] == 4096
 
 
+def test_the_trace_logs_every_request_with_its_outcome(kernel, session, caplog):
+    session.trace = True
+    with caplog.at_level("INFO", logger="cachefs.fuse.session"):
+        call(kernel, session, p.LOOKUP, b"missing\0")
+        call(kernel, session, p.GETATTR, p.GETATTR_IN.pack(0, 0, 0), nodeid=5)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("lookup") and "ENOENT" in line for line in lines), lines
+    assert any(line.startswith("getattr") and "node=5" in line and ": ok in" in line for line in lines), lines
+
+
 def test_opens_for_writing_and_every_write_request_are_read_only(kernel, session):
     for flags in (os.O_WRONLY, os.O_RDWR, os.O_RDONLY | os.O_TRUNC, os.O_WRONLY | os.O_APPEND):
         assert call(kernel, session, p.OPEN, p.OPEN_IN.pack(flags, 0), nodeid=5)[0] == -errno.EROFS

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from cachefs.control import ControlServer
-from cachefs.hints import HintClient
-from cachefs.mount import control_streams
+from cachefs.daemon import control_streams
+from cachefs.hintclient import HintClient
+from cachefs.hints import attach
 from cachefs.policy import make_policy
 from cachefs.prefetch import Prefetcher
 from cachefs.tiers.disk import DiskTier
@@ -87,6 +88,7 @@ def make_dataset(source, n, seed=0):
 def hinted_core(source, ram, disk=None):
     p = Prefetcher(workers=0)
     core = make_core(source, prefetcher=p, ram=ram, block_size=BS, disk=disk)
+    attach(core)
     return core, p
 
 
@@ -260,6 +262,7 @@ def served(source):
     files = make_dataset(source, 30)
     p = Prefetcher(workers=2)
     core = make_core(source, prefetcher=p, ram=4_000_000, block_size=BS)
+    attach(core)
     p.start()
     address = f"\0cachefs-test-hints-{os.getpid()}-{threading.get_ident()}"
     server = ControlServer(address, {}, streams=control_streams(core))

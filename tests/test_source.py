@@ -6,7 +6,7 @@ import pytest
 
 from cachefs.blocks import FileId
 from cachefs.errors import SourceChanged
-from cachefs.mount import _unescape
+from cachefs.mounttable import _unescape
 from cachefs.source import LocalSource
 
 # Every test runs with both ways of resolving a path under the root: openat2 with

@@ -179,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--open-per-handle", action="store_true",
                      help="send every open() to cachefs instead of using zero-message opens "
                           "(slower warm epochs; for debugging)")
-    run.add_argument("--debug-fuse", action="store_true", help="libfuse's own request trace (very verbose)")
+    run.add_argument("--debug-fuse", action="store_true",
+                     help="log every FUSE request: operation, node, caller's pid, outcome and time (very verbose)")
     run.add_argument("--check", action="store_true",
                      help="check the request (paths, sizes, FUSE) and say what would be mounted; "
                           "mounts and writes nothing")
@@ -315,7 +316,7 @@ def _follow_request(mp: str, req: dict[str, Any], what: str,
     """Send a streaming control request; show its progress on stderr (in place on a
     terminal, every 10 s otherwise) and return the final reply without its marker."""
     from cachefs.control import request
-    from cachefs.mount import control_address
+    from cachefs.mounttable import control_address
 
     tty = sys.stderr.isatty()
     final: dict[str, Any] = {}
@@ -343,7 +344,7 @@ def _follow_request(mp: str, req: dict[str, Any], what: str,
 def _cmd_coverage(args: argparse.Namespace) -> int:
     import os
 
-    from cachefs.mount import mount_of
+    from cachefs.mounttable import mount_of
 
     if not os.path.exists(args.mountpoint):
         raise CachefsError(f"{args.mountpoint} does not exist")
@@ -381,7 +382,7 @@ def _uptime(seconds: float) -> str:
 
 
 def _cmd_watch(args: argparse.Namespace) -> int:
-    from cachefs.mount import read_control
+    from cachefs.mounttable import read_control
     from cachefs.watch import watch
 
     if args.mountpoint is None:
@@ -406,7 +407,7 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    from cachefs.mount import cachefs_mounts, read_control
+    from cachefs.mounttable import cachefs_mounts, read_control
 
     if args.coverage:
         if args.mountpoint is None:
@@ -470,7 +471,7 @@ def _progress_line(p: dict[str, Any]) -> str:
 def _cmd_warm(args: argparse.Namespace) -> int:
     import os
 
-    from cachefs.mount import mount_of
+    from cachefs.mounttable import mount_of
 
     targets: dict[str, list[str]] = {}
     for path in args.paths:

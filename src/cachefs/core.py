@@ -27,7 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
 from queue import SimpleQueue
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from cachefs.blocks import FileId, block_count, block_extent, block_key, block_range, entry_id
 from cachefs.config import (
@@ -44,17 +44,13 @@ from cachefs.config import (
 )
 from cachefs.errors import SourceChanged
 from cachefs.fetcher import Fetchers, FetchUnavailable
-from cachefs.hints import HINT_DISK_LATENCY, HintBoard
-from cachefs.prefetch import DIR, HINT, READAHEAD, WARM, Prefetcher
+from cachefs.prefetch import DIR, READAHEAD, Prefetcher
 from cachefs.prefetch import THREAD_PREFIX as PREFETCH_THREAD
 from cachefs.readahead import DirectoryCursor, SequentialReadahead, StreamTable
 from cachefs.source import Attr, DirEntry, Source
 from cachefs.stats import Stats
 from cachefs.tiers.multilevel import Backing, MultiLevelCache
 from cachefs.tiers.store import BlockKey, EntryInfo
-
-if TYPE_CHECKING:
-    from cachefs.warm import WarmJob
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +73,14 @@ _WAITED_NO_DISK = dict(_WAITED, source={"reads.inflight_waits": 1, "ram.misses":
 def _subject(args: tuple) -> str:
     """The path a source request is about, for messages."""
     return str(getattr(args[0], "path", args[0])) if args else ""
+
+
+class ReadObserver(Protocol):
+    """What the core tells a feature about reads (order hints: cachefs.hints.HintBoard)."""
+
+    holding: bool  # whether it wants to hear of reads at all
+
+    def on_read(self, key: BlockKey) -> None: ...
 
 
 MISSED_BLOCKS = 1 << 16  # blocks of big files a random reader missed once (see _scattered_block)
@@ -180,10 +184,9 @@ class Core:
         self._ahead_lock = threading.Lock()
         cache.ram.on_evict = self._on_ram_evict
         stats.gauge("prefetch.unused", lambda: len(self._ahead))
-        self.hints: HintBoard | None = None  # order hints (cachefs/hints.py), with a prefetch pool
-        if prefetcher is not None:
-            self.hints = HintBoard(self)
-            prefetcher.add_feeder(HINT, self.hints)
+        # Order hints attach here (cachefs.hints.attach): features attach to the core; the
+        # core imports none of them.
+        self.hints: ReadObserver | None = None
         self.dir_readahead: DirReadahead | None = None
         if self.readahead == "dir" and prefetcher is not None:
             self.dir_readahead = DirReadahead(self, prefetcher, max_file_blocks=max_blocks)
@@ -724,18 +727,18 @@ class Core:
         self.stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": len(data)})
         return "fetched"
 
-    def fetch_pinned(self, fid: FileId, index: int, pin_limit: int) -> str:
+    def fetch_pinned(self, fid: FileId, index: int, pin_limit: int, disk_fast_below: float) -> str:
         """Fetch one hinted block into RAM, pinned (see cachefs/hints.py). Returns the tier
         it came from ("ram", "disk", "source"), or what happened instead: "inflight" (a
         reader is fetching it right now, and has it first), "refused" (RAM has no unpinned
-        block left to replace), "on_disk" (it is on an NVMe tier fast enough to leave it
-        there: see HINT_DISK_LATENCY)."""
+        block left to replace), "on_disk" (it is on an NVMe tier whose reads take less
+        than `disk_fast_below` seconds: the reader's own read costs less)."""
         key = block_key(self.namespace, fid, index, self.block_size)
         ram = self.cache.ram
         if ram.pin(key):
             return "ram"
         disk = self.cache.disk
-        if disk is not None and disk.read_latency < HINT_DISK_LATENCY and disk.probably_has(key):
+        if disk is not None and disk.read_latency < disk_fast_below and disk.probably_has(key):
             return "on_disk"  # the reader's own NVMe read costs less than fetching it ahead
         pending, owner = self._claim(key)
         if not owner:
@@ -898,23 +901,6 @@ class Core:
                 outcome = "fetched"
                 fetched += block_extent(index, fid.size, self.block_size)[1]
         return outcome, fetched
-
-    def start_warm(self, paths: list[str]) -> WarmJob:
-        """Begin warming `paths` (files or directories) in the background."""
-        from cachefs.warm import WarmJob
-
-        if self.prefetcher is None:
-            raise RuntimeError("warming needs the prefetch pool (--prefetch-workers > 0)")
-        for path in paths:
-            self.getattr(path)  # ENOENT now, not halfway
-        job = WarmJob(self, paths)
-        self.prefetcher.add_feeder(WARM, job)
-        return job
-
-    def finish_warm(self, job: WarmJob) -> None:
-        job.cancel()
-        if self.prefetcher is not None:
-            self.prefetcher.remove_feeder(job)
 
     def _note_used(self, key: BlockKey) -> None:
         with self._ahead_lock:

@@ -315,7 +315,7 @@ def _ms(v: float | None) -> str:
 # -- the whole run --------------------------------------------------------------------------
 
 def _cache_snapshot(path: str) -> tuple[str, dict[str, Any]] | None:
-    from cachefs.mount import mount_of, read_control
+    from cachefs.mounttable import mount_of, read_control
 
     try:
         mp, _ = mount_of(path)

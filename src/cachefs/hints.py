@@ -31,15 +31,14 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 import logging
-import socket
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from cachefs.blocks import FileId, block_extent, block_key
+from cachefs.hintclient import DEFAULT_LOOKAHEAD
 from cachefs.tiers.store import BlockKey, allocated
 
 if TYPE_CHECKING:
@@ -67,11 +66,6 @@ HINT_DISK_LATENCY = 0.001
 # Paths a session may queue in the daemon; a client past this is cut off at the oldest.
 MAX_QUEUED_PATHS = 1 << 16
 
-# Default samples a HintedSampler tells ahead of what it has handed out.
-DEFAULT_LOOKAHEAD = 2048
-
-# Paths per message from the client.
-CHUNK = 64
 
 
 class HintSession:
@@ -270,7 +264,7 @@ class HintBoard:
             self._fetching.setdefault(key, False)
         read_meanwhile = False
         try:
-            outcome = core.fetch_pinned(fid, index, self.limit)
+            outcome = core.fetch_pinned(fid, index, self.limit, HINT_DISK_LATENCY)
         finally:
             with self._lock:
                 session.reserved -= size
@@ -298,48 +292,13 @@ class HintBoard:
         core.stats.add_many({f"hint.from_{outcome}": 1, "hint.bytes": length})
         return True
 
-class HintClient:
-    """One session, from the job's side. Every failure (no cachefs at the path, an old
-    daemon, the mount gone, a daemon too slow to take the hints) turns hinting off for the
-    rest of the session with one warning: a hint is never worth stopping the job."""
+def attach(core: Core) -> HintBoard:
+    """Order hints for this core: a board, fed to its prefetch pool ahead of every other
+    guess. The core calls the board back on reads (Core.hints) and imports nothing of it."""
+    assert core.prefetcher is not None, "order hints need the prefetch pool"
+    from cachefs.prefetch import HINT
 
-    def __init__(self, address: str, lookahead: int = DEFAULT_LOOKAHEAD, label: str = "",
-                 timeout: float = 2.0):
-        self.session: int | None = None
-        self.budget = 0
-        self._sock: socket.socket | None = None
-        try:
-            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            sock.settimeout(timeout)
-            sock.connect(address)
-            sock.sendall(json.dumps({"op": "hint", "lookahead": lookahead, "label": label}).encode() + b"\n")
-            reply = json.loads(sock.makefile("rb").readline() or b"{}")
-            if "session" not in reply:
-                sock.close()
-                raise OSError(reply.get("error", "no answer"))
-            self.session, self.budget = int(reply["session"]), int(reply.get("budget_bytes", 0))
-            self._sock = sock
-        except (OSError, ValueError) as exc:
-            log.warning("cachefs: order hints off: %s", exc)
-
-    @property
-    def active(self) -> bool:
-        return self._sock is not None
-
-    def send(self, paths: list[str], yielded: int) -> bool:
-        if self._sock is None:
-            return False
-        try:
-            self._sock.sendall(json.dumps({"paths": paths, "yielded": yielded}).encode() + b"\n")
-            return True
-        except OSError as exc:
-            log.warning("cachefs: order hints off: %s", exc)
-            self.close()
-            return False
-
-    def close(self) -> None:
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
+    board = HintBoard(core)
+    core.hints = board
+    core.prefetcher.add_feeder(HINT, board)
+    return board

@@ -106,7 +106,7 @@ class HintedSampler(torch.utils.data.Sampler[int]):
 
     def __init__(self, sampler: Any, dataset: Any = None, mount: str | None = None, *,
                  paths: Any = None, lookahead: int | None = None, label: str = ""):
-        from cachefs.hints import DEFAULT_LOOKAHEAD
+        from cachefs.hintclient import DEFAULT_LOOKAHEAD
 
         self.sampler = sampler
         if paths is None and dataset is None:
@@ -128,7 +128,7 @@ class HintedSampler(torch.utils.data.Sampler[int]):
     def __iter__(self) -> Iterator[Any]:
         from collections import deque
 
-        from cachefs.hints import CHUNK
+        from cachefs.hintclient import CHUNK
 
         source = iter(self.sampler)
         ahead: deque = deque()
@@ -168,8 +168,8 @@ class HintedSampler(torch.utils.data.Sampler[int]):
         import logging
 
         from cachefs.errors import CachefsError
-        from cachefs.hints import HintClient
-        from cachefs.mount import control_address, mount_of
+        from cachefs.hintclient import HintClient
+        from cachefs.mounttable import control_address, mount_of
 
         log = logging.getLogger("cachefs.torch")
         try:

@@ -162,3 +162,22 @@ class WarmJob:
                    else "done" if done else "running",
                    elapsed_s=round(elapsed, 3), roots=self.roots)
         return out
+
+
+def start(core: Core, paths: list[str]) -> WarmJob:
+    """Begin warming `paths` (files or directories) in the background."""
+    from cachefs.prefetch import WARM
+
+    if core.prefetcher is None:
+        raise RuntimeError("warming needs the prefetch pool (--prefetch-workers > 0)")
+    for path in paths:
+        core.getattr(path)  # ENOENT now, not halfway
+    job = WarmJob(core, paths)
+    core.prefetcher.add_feeder(WARM, job)
+    return job
+
+
+def finish(core: Core, job: WarmJob) -> None:
+    job.cancel()
+    if core.prefetcher is not None:
+        core.prefetcher.remove_feeder(job)

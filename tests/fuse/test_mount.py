@@ -18,6 +18,7 @@ import pytest
 
 from cachefs.config import DEFAULT_BLOCK_SIZE
 from cachefs.stats import SCHEMA_VERSION
+from cachefs.tiers.disk import INDEX_FLUSH_EVERY
 from tests.helpers import ROOT, SYSTEM_PYTHON, Mounts, as_user, cli, is_mounted, stats
 from tools.slowfs import read_stats as slowfs_stats
 from tools.slowfs import reset_stats as slowfs_reset
@@ -453,6 +454,9 @@ def test_kill_9_leaves_a_stale_mount_that_the_next_mount_clears(tmp_path, mounts
     deadline = time.monotonic() + 10
     while stats(mp)["disk"].get("writes", 0) < (3 << 20) // DEFAULT_BLOCK_SIZE and time.monotonic() < deadline:
         time.sleep(0.05)
+    # index lines are written in batches: a kill loses at most the last INDEX_FLUSH_EVERY
+    # seconds of them (those blocks are fetched again, see the kill -9 fault test)
+    time.sleep(2 * INDEX_FLUSH_EVERY + 0.2)
     pid = stats(mp)["info"]["pid"]
     os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 10

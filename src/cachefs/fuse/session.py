@@ -200,6 +200,7 @@ class Session:
         self.max_write = 128 << 10   # read-only: only the kernel's minimum read buffer depends on it
         self.max_background = max_background
         self.observer = observer
+        self.trace = False  # log every request, its caller and its outcome (--debug-fuse)
         self.conn = Connection(max_read=max_read)
         self._clone = clone
         self._dirs: dict[int, _DirHandle] = {}   # readdir snapshots per directory handle
@@ -462,6 +463,9 @@ class Session:
             self._reply_error(fd, unique, code)
         if self.observer is not None:
             self.observer(p.OPCODE_NAMES.get(opcode, "unknown"), time.perf_counter() - start, code)
+        if self.trace:
+            log.info("%s unique=%d node=%d pid=%d: %s in %.0f us", p.OPCODE_NAMES.get(opcode, opcode), unique, nodeid,
+                     pid, errno.errorcode.get(code, code) if code else "ok", (time.perf_counter() - start) * 1e6)
 
     def _reply(self, fd: int, unique: int, parts: list[Buffer]) -> None:
         length = p.OUT_HEADER.size
