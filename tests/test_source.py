@@ -127,3 +127,33 @@ def test_a_directory_swapped_for_a_symlink_cannot_lead_outside(tmp_path, resolve
 def fid_of_outside(outside):
     st = os.stat(outside / "secret")
     return FileId("/a/secret", st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+def test_big_files_kept_open_serve_many_threads_without_a_wrong_descriptor(tmp_path, monkeypatch):
+    """Big files stay open between block reads (a small LRU of descriptors): threads that
+    open, evict and reuse them at once never read through a closed or reused descriptor."""
+    import concurrent.futures as cf
+    import random
+
+    from cachefs import source as source_mod
+    from cachefs.blocks import FileId
+
+    monkeypatch.setattr(source_mod, "KEPT_FILES", 2)
+    files = {}
+    for i in range(6):
+        data = os.urandom(64 << 10)
+        (tmp_path / f"f{i}").write_bytes(data)
+        st = os.stat(tmp_path / f"f{i}")
+        files[f"/f{i}"] = (FileId(f"/f{i}", len(data), st.st_mtime_ns, st.st_ctime_ns), data)
+    src = source_mod.LocalSource(str(tmp_path))
+
+    def work(seed):
+        rng = random.Random(seed)
+        for _ in range(300):
+            fid, data = files[rng.choice(list(files))]
+            offset = rng.randrange(0, 60) * 1024
+            assert src.read_range(fid, offset, 4096) == data[offset:offset + 4096]
+        return True
+
+    with cf.ThreadPoolExecutor(8) as ex:
+        assert all(ex.map(work, range(8)))

@@ -496,3 +496,27 @@ def test_a_range_of_a_block_is_read_alone_and_exact(tmp_path, tier_kind):
     for lo, hi in ranges:
         assert tier.get((eid(1), 0), lo, hi) == data[lo:hi]
     tier.close()
+
+
+def test_the_descriptor_cache_serves_many_threads_without_a_wrong_descriptor(tmp_path):
+    """Entry files stay open for reading (an LRU of descriptors): threads that open, evict
+    and reuse them at once never read through a closed or reused descriptor."""
+    import concurrent.futures as cf
+
+    tier = DiskTier(str(tmp_path), 8 << 20, Stats(), scrub=False)
+    tier._fds._limit = 2
+    blobs = {n: os.urandom(BS) for n in range(6)}
+    for n, data in blobs.items():
+        put(tier, n, data)
+
+    def work(seed):
+        rng = random.Random(seed)
+        for _ in range(300):
+            n = rng.randrange(6)
+            lo = rng.randrange(0, BS - 4096)
+            assert tier.get((eid(n), 0), lo, lo + 4096) == blobs[n][lo:lo + 4096]
+        return True
+
+    with cf.ThreadPoolExecutor(8) as ex:
+        assert all(ex.map(work, range(8)))
+    tier.close()

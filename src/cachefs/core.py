@@ -714,7 +714,10 @@ class Core:
             # counts a use; unmarked if no tier took it (waiters only wake after this).
             with self._ahead_lock:
                 self._ahead.add(key)
-            admitted = self.cache.put(key, data, self.entry_info(fid), evict=False, to_ram=not self.fills_to_disk)
+            # A file that will be passed through goes to NVMe (RAM takes it whole when it is
+            # opened again); a big one is read through the daemon meanwhile, from RAM.
+            to_ram = not self.fills_to_disk or fid.size > self.whole_file_max
+            admitted = self.cache.put(key, data, self.entry_info(fid), evict=False, to_ram=to_ram)
             if not admitted:
                 with self._ahead_lock:
                     self._ahead.discard(key)

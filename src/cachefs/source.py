@@ -329,13 +329,18 @@ class LocalSource:
                 self._kept.move_to_end(key)
                 return os.dup(fd)
         fd = self._open_file(fid.path, direct)
-        with self._kept_lock:
-            old = self._kept.pop(key, None)
-            self._kept[key] = fd
-            extra = [self._kept.popitem(last=False)[1] for _ in range(max(0, len(self._kept) - KEPT_FILES))]
-        for x in extra + ([old] if old is not None else []):
+        with self._kept_lock:  # the dup under the lock: another thread may close what it holds
+            kept = self._kept.get(key)
+            if kept is not None:  # opened meanwhile by another thread: keep that one
+                extra = [fd]
+                mine = os.dup(kept)
+            else:
+                self._kept[key] = fd
+                extra = [self._kept.popitem(last=False)[1] for _ in range(max(0, len(self._kept) - KEPT_FILES))]
+                mine = os.dup(fd)
+        for x in extra:
             os.close(x)
-        return os.dup(fd)
+        return mine
 
     def _forget_kept(self, fid: FileId, direct: bool) -> None:
         with self._kept_lock:

@@ -114,13 +114,18 @@ class _Descriptors:
                 self._fds.move_to_end(name)
                 return os.dup(fd)  # the caller closes its own: an eviction cannot pull it away
         fd = self._open(name)
-        with self._lock:
-            old = self._fds.pop(name, None)
-            self._fds[name] = fd
-            extra = [self._fds.popitem(last=False)[1] for _ in range(max(0, len(self._fds) - self._limit))]
-        for x in extra + ([old] if old is not None else []):
+        with self._lock:  # the dup under the lock: another thread may close what it holds
+            kept = self._fds.get(name)
+            if kept is not None:  # opened meanwhile by another thread: keep that one
+                extra = [fd]
+                mine = os.dup(kept)
+            else:
+                self._fds[name] = fd
+                extra = [self._fds.popitem(last=False)[1] for _ in range(max(0, len(self._fds) - self._limit))]
+                mine = os.dup(fd)
+        for x in extra:
             os.close(x)
-        return os.dup(fd)
+        return mine
 
     def forget(self, name: str) -> None:
         with self._lock:
