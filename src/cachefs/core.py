@@ -22,7 +22,7 @@ import stat as stat_mod
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import AbstractContextManager
@@ -208,12 +208,8 @@ class Core:
         self._to_check: SimpleQueue[str] = SimpleQueue()
         self._checker: threading.Thread | None = None
         # Called with a path whose cached identity turned out wrong. The default forgets the
-        # metadata at once; under a mount, cachefs.fs holds the file in begin_change() until
-        # the kernel has dropped its attributes and pages, so no read mixes two versions.
+        # metadata; under a mount, cachefs.fs also has the kernel look the name up again.
         self.on_source_changed: Callable[[str], None] = self.invalidate
-        self._changing: dict[str, bool] = {}  # path -> kernel already told to drop it
-        self._reading: dict[str, int] = {}  # path -> reads in progress (see wait_reads_done)
-        self._reading_cond = threading.Condition()
         self._inflight: dict[BlockKey, Future] = {}
         self._inflight_lock = threading.Lock()
         self._missed: OrderedDict[BlockKey, None] = OrderedDict()  # blocks read in part once
@@ -372,40 +368,6 @@ class Core:
         self._attrs.pop(path)
         self._dirs.pop(path)
 
-    def begin_change(self, path: str) -> None:
-        """A file changed on the source and the kernel may still hold the old version.
-
-        Until end_change(), reads of it fail with ESTALE, so no new block can land next to
-        an old page in one read() (the kernel keeps issuing READs for a read() that began
-        under the old attributes, even after being told to drop them).
-        """
-        with self._reading_cond:
-            self._changing[path] = False
-        self.invalidate(path)
-
-    def kernel_invalidated(self, path: str) -> None:
-        """The kernel has dropped the file's attributes and pages (see cachefs.fs)."""
-        if path in self._changing:
-            self._changing[path] = True
-
-    def kernel_getattr(self, path: str) -> None:
-        """The kernel asked for attributes. After its invalidation, that is the start of a
-        read() under the new attributes: from here on the new version is served."""
-        if self._changing.get(path):
-            self.end_change(path)
-
-    def end_change(self, path: str) -> None:
-        self._changing.pop(path, None)
-
-    def wait_reads_done(self, path: str, timeout: float = 10.0) -> bool:
-        """Wait until no read of `path` that began before begin_change() is still running.
-
-        Such a read may be about to hand the kernel a page of the old version; telling the
-        kernel to drop its pages is only final once those have landed.
-        """
-        with self._reading_cond:
-            return self._reading_cond.wait_for(lambda: not self._reading.get(path), timeout)
-
     def entry_info(self, fid: FileId) -> EntryInfo:
         """What a tier records with a cached file version: its path and attributes (kept so
         that a remounted cache answers lookups without asking the source)."""
@@ -429,27 +391,7 @@ class Core:
         """Bytes [offset, offset+size) of the file, short only at end of file."""
         if offset < 0 or size < 0:
             raise OSError(errno.EINVAL, "negative offset or size", path)
-        with self._reading_guard(path):
-            return self._read(path, offset, size, fid)
-
-    @contextlib.contextmanager
-    def _reading_guard(self, path: str) -> Iterator[None]:
-        """Around a read: ESTALE while the file is being changed (see begin_change), and
-        counted, so that the change can wait for the reads already in flight."""
-        with self._reading_cond:  # the check and the count together, or a read slips past both
-            if self._changing and path in self._changing:
-                raise SourceChanged(path)
-            self._reading[path] = self._reading.get(path, 0) + 1
-        try:
-            yield
-        finally:
-            with self._reading_cond:
-                left = self._reading[path] - 1
-                if left:
-                    self._reading[path] = left
-                else:
-                    del self._reading[path]
-                    self._reading_cond.notify_all()
+        return self._read(path, offset, size, fid)
 
     def open_file(self, fid: FileId, fill: bool = True) -> tuple[Backing | None, bytes | None]:
         """For an open in passthrough mode: a complete cached copy of this file version that
@@ -487,8 +429,7 @@ class Core:
         # Written once: to NVMe where there is an NVMe tier (RAM takes it when it is opened
         # again and fits, see promote), else to RAM.
         to_ram = not self.fills_to_disk
-        with self._reading_guard(fid.path):
-            parts = [self._block(fid, index, to_ram)[0] for index in range(block_count(fid.size, self.block_size))]
+        parts = [self._block(fid, index, to_ram)[0] for index in range(block_count(fid.size, self.block_size))]
         self.stats.incr("opens.filled")
         found = cache.acquire_backing(eid)
         if found is None:

@@ -59,10 +59,6 @@ XATTR_INFO = CONTROL_PREFIX + "info"
 # Locks the opens of a node take (striped by node id): one open of a file at a time
 NODE_LOCKS = 64
 
-# Seconds between a changed file's last old read returning and the kernel being told to
-# drop its pages (twice): time for the reply of that read to land in the page cache.
-REPLY_GRACE = 0.05
-
 _QUIET_ERRNOS = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.ENOSYS, errno.ENOTTY}
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -216,15 +212,28 @@ class _Backings:
         return len(self._ids)
 
 
+def _version(attr: Attr) -> tuple[int, int, int, int]:
+    """What makes two stats of a regular file the same version (as FileId, with the type)."""
+    return stat_mod.S_IFMT(attr.mode), attr.size, attr.mtime_ns, attr.ctime_ns
+
+
 class Nodes:
     """Node ids the kernel holds, and the source path of each. A lookup adds one reference,
     FORGET takes them away; a node without references is forgotten here too. The root is
-    node 1 and always known."""
+    node 1 and always known.
+
+    A regular file's node is one version of it: a lookup that finds the file changed on the
+    source (size, mtime or ctime) gets a new node id, and the old node keeps the version it
+    was looked up as. The kernel keys its page cache, its open files and its mappings by
+    node, so an old descriptor or mapping never meets a page of the new version, and a new
+    open never meets a page of the old one (the kernel itself compares only size and
+    mtime)."""
 
     def __init__(self) -> None:
         self._paths: dict[int, str] = {p.ROOT_ID: "/"}
         self._ids: dict[str, int] = {"/": p.ROOT_ID}
         self._refs: dict[int, int] = {}
+        self._versions: dict[int, Attr] = {}  # node id -> the file version it stands for
         self._next = itertools.count(p.ROOT_ID + 1)
         self._lock = threading.Lock()
 
@@ -234,20 +243,32 @@ class Nodes:
         except KeyError:
             raise FuseError(errno.ESTALE, f"unknown node {nodeid}") from None
 
+    def version(self, nodeid: int) -> Attr | None:
+        """The attributes of the file version this node stands for (regular files only)."""
+        return self._versions.get(nodeid)
+
     def child(self, parent: int, name: bytes) -> str:
         if not name or b"/" in name or name in (b".", b".."):
             raise FuseError(errno.EINVAL if name not in (b".", b"..") else errno.ENOENT)
         base = self.path(parent)
         return (base if base != "/" else "") + "/" + os.fsdecode(name)
 
-    def add(self, path: str) -> int:
-        """The node id of `path`, with one more reference from the kernel."""
+    def add(self, path: str, attr: Attr | None = None) -> int:
+        """The node id of `path` as `attr` describes it, with one more reference from the
+        kernel: a new id when a regular file is not the version its node stands for."""
         with self._lock:
             nodeid = self._ids.get(path)
+            if nodeid is not None and attr is not None:
+                known = self._versions.get(nodeid)
+                if (known is not None or attr.is_file) and nodeid != p.ROOT_ID and (
+                        known is None or _version(known) != _version(attr)):
+                    nodeid = None  # another version: the old node stays with its holders
             if nodeid is None:
                 nodeid = next(self._next)
                 self._ids[path] = nodeid
                 self._paths[nodeid] = path
+            if attr is not None and attr.is_file:
+                self._versions[nodeid] = attr
             if nodeid != p.ROOT_ID:
                 self._refs[nodeid] = self._refs.get(nodeid, 0) + 1
             return nodeid
@@ -262,6 +283,7 @@ class Nodes:
                 self._refs[nodeid] = left
                 return
             self._refs.pop(nodeid, None)
+            self._versions.pop(nodeid, None)
             path = self._paths.pop(nodeid, None) if nodeid != p.ROOT_ID else None
             if path is not None and self._ids.get(path) == nodeid:
                 del self._ids[path]
@@ -411,32 +433,33 @@ class CachefsFS(Operations):
     # -- files that change on the source ----------------------------------------------------
 
     def _source_changed(self, path: str) -> None:
-        self.core.begin_change(path)
+        """A file turned out changed or gone on the source: forget what the daemon knew of
+        it, and have the kernel forget its name, so that the next open looks it up again
+        and gets a node of the new version (see Nodes). Its old node keeps serving the old
+        version to those who hold it: from the cache, or ESTALE."""
+        self.core.invalidate(path)
         self._changed.put(path)
 
     def _invalidate_loop(self) -> None:
-        """Make the kernel forget a changed file, then let the daemon see its new identity.
-
-        In that order: the kernel may hold the old size and pages of the file for a whole
-        --metadata-ttl, and a daemon already serving new blocks under the old size would
-        hand readers a mix of two versions. Until the kernel is told, reads of the file
-        fail with ESTALE (Core.begin_change). Not done in a request thread: an invalidation
-        from inside a request about the same inode can deadlock on its page locks.
-        """
+        """Tell the kernel to drop the names of changed files. Not done in a request thread:
+        an invalidation from inside a request about the same directory can deadlock on its
+        locks."""
         while True:
             path = self._changed.get()
             if not path:
                 return
-            self.core.wait_reads_done(path)
-            # A read that just returned has its reply still on the way into the page cache;
-            # so drop the pages after a moment, and once more after that.
-            for _ in range(2):
-                time.sleep(REPLY_GRACE)
-                nodeid = self.nodes.id_of(path)
-                if nodeid is not None and self.session is not None:
-                    self.session.notify_inval_inode(nodeid)
-            self.core.kernel_invalidated(path)
-            log.info("%s changed on the source; readers get the new version from their next read()", path)
+            directory, _, name = path.rpartition("/")
+            parent = self.nodes.id_of(directory or "/")
+            if parent is not None and self.session is not None:
+                self.session.notify_inval_entry(parent, os.fsencode(name))
+            log.info("%s changed on the source; opens from now on get the new version", path)
+
+    def _fid(self, nodeid: int, path: str) -> FileId:
+        """The file version a node stands for (Nodes), or the source's current one."""
+        v = self.nodes.version(nodeid)
+        if v is None:
+            return self.core.file_id(path)
+        return FileId(path, v.size, v.mtime_ns, v.ctime_ns)
 
     # -- metadata ----------------------------------------------------------------------------
 
@@ -448,7 +471,7 @@ class CachefsFS(Operations):
         except FileNotFoundError:
             # a negative entry: the kernel remembers "no such file" for --negative-ttl
             return Entry(0, p.Attr(0, 0, 0, 0, 0, 0, 0, 0, 0), self._negative_ttl, 0)
-        return p.pack_entry_of(self.nodes.add(path), a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
+        return p.pack_entry_of(self.nodes.add(path, a), a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
                                a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
 
     def forget(self, nodeid: int, nlookup: int) -> None:
@@ -457,8 +480,20 @@ class CachefsFS(Operations):
     @_fuse_op
     def getattr(self, req: Request, nodeid: int, fh: int | None) -> tuple[p.Attr, float]:
         path = self.nodes.path(nodeid)
-        self.core.kernel_getattr(path)
-        return to_fuse_attr(self.core.getattr(path)), self._ttl
+        pinned = self.nodes.version(nodeid)
+        if pinned is None:
+            return to_fuse_attr(self.core.getattr(path)), self._ttl
+        try:
+            attr: Attr | None = self.core.getattr(path)
+        except FileNotFoundError:
+            attr = None
+        if attr is not None and _version(attr) == _version(pinned):
+            return to_fuse_attr(attr), self._ttl
+        # The file changed (or is gone) on the source: this node stays the version it was
+        # looked up as, as a file on a local disk stays what an open descriptor holds.
+        if self.nodes.id_of(path) == nodeid:
+            self._changed.put(path)  # and the name is looked up again
+        return to_fuse_attr(pinned), self._ttl
 
     @_fuse_op
     def readlink(self, req: Request, nodeid: int) -> bytes:
@@ -492,7 +527,7 @@ class CachefsFS(Operations):
         if self.zero_message_open:
             # ENOSYS here means "success, and do not ask again" (FUSE_NO_OPEN_SUPPORT).
             raise FuseError(errno.ENOSYS)
-        fid = self.core.file_id(self.nodes.path(nodeid))  # ENOENT/EISDIR now, not at the first read
+        fid = self._fid(nodeid, self.nodes.path(nodeid))  # ENOENT/EISDIR now, not at the first read
         if not self.passthrough:
             fh = next(self._next_fh)
             self._handles[fh] = fid
@@ -563,7 +598,8 @@ class CachefsFS(Operations):
             self.core.stats.add_many({"reads.requests": 1, "reads.bytes": len(chunk),
                                       "source.served_bytes": len(chunk)})
             return chunk
-        return self.core.read(self.nodes.path(nodeid), offset, size, fid=self._handles.get(fh))
+        path = self.nodes.path(nodeid)
+        return self.core.read(path, offset, size, fid=self._handles.get(fh) or self._fid(nodeid, path))
 
     @_fuse_op
     def release(self, req: Request, nodeid: int, fh: int) -> None:
