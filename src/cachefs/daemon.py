@@ -49,6 +49,7 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
                    source_timeout_s=config.source_timeout,
                    prefetch_workers=config.prefetch_workers, fetch_processes=config.fetch_processes)
     source = LocalSource(config.source)
+    source.root_fd()  # the tree served is the one the path names now, for the mount's life
     assert config.ram_size is not None and config.disk_size is not None
     policies = parse_policy_spec(config.policy)
     stats.set_info(policy=policies, max_idle_s=config.max_idle, min_free=config.min_free)
@@ -230,10 +231,13 @@ def start_fetchers(core, config: Config) -> None:  # type: ignore[no-untyped-def
     if n <= 0 or not core.fills_to_disk or core.prefetcher is None:
         return
     from cachefs.fetcher import Fetchers
+    from cachefs.source import LocalSource
 
     channels = core.prefetcher.workers + 4
-    core.fetchers = Fetchers(core.source.root, core.cache.disk.data_dir, core.namespace, core.block_size, n,
-                             channels)
+    source = core.source
+    root_fd = source.root_fd() if isinstance(source, LocalSource) else -1
+    core.fetchers = Fetchers(source.root, core.cache.disk.data_dir, core.namespace, core.block_size, n,
+                             channels, root_fd)
     log.info("fetch processes: %d (%d channels)", n, channels)
 
 

@@ -83,8 +83,8 @@ def _recv(sock: socket.socket) -> object:
 # -- the worker ----------------------------------------------------------------------------
 
 class _Worker:
-    def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int):
-        self.source = LocalSource(root)
+    def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int, root_fd: int = -1):
+        self.source = LocalSource(root, root_fd)
         self.data_dir = data_dir
         self.namespace = namespace
         self.block_size = block_size
@@ -152,6 +152,7 @@ class _Worker:
 def worker_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cachefs.fetcher")
     p.add_argument("--root", required=True)
+    p.add_argument("--root-fd", type=int, default=-1, help="the daemon's descriptor of the root")
     p.add_argument("--data", required=True)
     p.add_argument("--namespace", required=True)
     p.add_argument("--block-size", type=int, required=True)
@@ -165,7 +166,7 @@ def worker_main(argv: list[str] | None = None) -> int:
         pass
     if os.getppid() == 1:
         return 0  # the daemon is already gone
-    worker = _Worker(args.root, args.data, args.namespace.encode(), args.block_size)
+    worker = _Worker(args.root, args.data, args.namespace.encode(), args.block_size, args.root_fd)
     threads = []
     for fd in (int(x) for x in args.fds.split(",")):
         sock = socket.socket(fileno=fd)
@@ -189,7 +190,7 @@ class Fetchers:
     thread; it holds a channel for one request."""
 
     def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int, processes: int,
-                 channels: int):
+                 channels: int, root_fd: int = -1):
         self.processes: list[subprocess.Popen[bytes]] = []
         self._free: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
         self._all: list[socket.socket] = []
@@ -206,9 +207,10 @@ class Fetchers:
                 theirs.append(b)
             cmd = [sys.executable, "-m", "cachefs.fetcher", "--root", root, "--data", data_dir,
                    "--namespace", namespace.decode(), "--block-size", str(block_size),
-                   "--fds", ",".join(str(s.fileno()) for s in theirs)]
+                   "--fds", ",".join(str(s.fileno()) for s in theirs), "--root-fd", str(root_fd)]
             try:
-                proc = subprocess.Popen(cmd, pass_fds=[s.fileno() for s in theirs], stdin=subprocess.DEVNULL,
+                inherit = [s.fileno() for s in theirs] + ([root_fd] if root_fd >= 0 else [])
+                proc = subprocess.Popen(cmd, pass_fds=inherit, stdin=subprocess.DEVNULL,
                                         env=_child_env())
             finally:
                 for s in theirs:

@@ -143,9 +143,18 @@ class LocalSource:
     lead the daemon outside it. (O_NOFOLLOW alone guards only the last component.) The
     check costs local system calls only: opening a directory with O_PATH sends nothing to
     an NFS server whose dentries are cached.
+
+    Everything, the root itself included, is reached through one descriptor of the root
+    opened at the first access: if the path later names another directory (the source
+    unmounted and something else mounted there, a bind mount moved, the directory renamed
+    and a new one made), cachefs keeps serving the tree it mounted, whole and consistent,
+    and says so once in the log (`root_moved`), instead of mixing the listing of one
+    tree with the data of another.
     """
 
-    def __init__(self, root: str):
+    def __init__(self, root: str, root_fd: int = -1):
+        """`root_fd`: a descriptor of the root another process opened (a fetch process
+        serves the daemon's tree, not whatever the path names when it starts)."""
         self.root = os.path.realpath(root)
         # O_NOATIME keeps reads from writing atime to the source; it is only allowed for
         # the file's owner (or root), so fall back without it on EPERM.
@@ -153,9 +162,14 @@ class LocalSource:
         self._direct = hasattr(os, "O_DIRECT")
         self._kept: OrderedDict[tuple[FileId, bool], int] = OrderedDict()  # see _open_kept
         self._kept_lock = threading.Lock()
-        self._root_fd = -1
+        self._root_fd = root_fd
         self._root_lock = threading.Lock()
         self._openat2 = _syscall is not None and os.uname().sysname == "Linux"
+        self._moved_warned = False
+
+    def root_fd(self) -> int:
+        """The descriptor (O_PATH) of the tree being served."""
+        return self._rootfd()
 
     def _rootfd(self) -> int:
         # Opened on first use, not in __init__: the daemon closes inherited descriptors.
@@ -164,6 +178,23 @@ class LocalSource:
                 if self._root_fd < 0:
                     self._root_fd = os.open(self.root, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         return self._root_fd
+
+    def root_moved(self) -> bool:
+        """Whether the source path now names another directory than the one being served
+        (logged once per move)."""
+        try:
+            now = os.stat(self.root)
+        except OSError:
+            moved = True
+        else:
+            held = os.fstat(self._rootfd())
+            moved = (now.st_dev, now.st_ino) != (held.st_dev, held.st_ino)
+        if moved and not self._moved_warned:
+            log.warning("%s now names another directory than the one mounted (unmounted, moved or "
+                        "renamed); cachefs keeps serving the tree it mounted: remount to serve the new one",
+                        self.root)
+        self._moved_warned = moved
+        return moved
 
     def _openat2_call(self, rel: str, flags: int) -> int:
         assert _syscall is not None
@@ -191,7 +222,8 @@ class LocalSource:
 
     def _inside(self, fd: int, path: str) -> None:
         real = os.readlink(f"/proc/self/fd/{fd}")
-        if real != self.root and not real.startswith(self.root.rstrip("/") + "/"):
+        root = os.readlink(f"/proc/self/fd/{self._rootfd()}")  # where the served tree is now
+        if real != root and not real.startswith(root.rstrip("/") + "/"):
             raise PermissionError(errno.EACCES, "path leaves the source through a symlink", path)
 
     def _parent(self, path: str) -> tuple[int, str]:
@@ -201,8 +233,7 @@ class LocalSource:
         beneath = self._open_beneath(parent or ".", os.O_PATH | os.O_DIRECTORY)
         if beneath is not None:
             return beneath, name
-        fd = os.open(os.path.join(self.root, parent) if parent else self.root,
-                     os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        fd = os.open(parent or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._rootfd())
         try:
             self._inside(fd, path)
         except BaseException:
@@ -212,7 +243,8 @@ class LocalSource:
 
     def stat(self, path: str) -> Attr:
         if path == "/":
-            return Attr.from_stat(os.lstat(self.root))
+            self.root_moved()  # the kernel asks for the root's attributes every --metadata-ttl
+            return Attr.from_stat(os.fstat(self._rootfd()))
         beneath = self._open_beneath(check_relpath(path), os.O_PATH | os.O_NOFOLLOW)
         if beneath is not None:
             try:
@@ -227,7 +259,7 @@ class LocalSource:
 
     def _open_dir(self, path: str) -> int:
         if path == "/":
-            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            return os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self._rootfd())
         beneath = self._open_beneath(check_relpath(path), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         if beneath is not None:
             return beneath
@@ -404,7 +436,7 @@ class LocalSource:
 
 
     def statfs(self) -> dict:
-        st = os.statvfs(self.root)
+        st = os.statvfs(self._rootfd())
         keys = ("f_bsize", "f_frsize", "f_blocks", "f_bfree", "f_bavail",
                 "f_files", "f_ffree", "f_favail", "f_namemax")
         return {k: getattr(st, k) for k in keys}
@@ -412,7 +444,7 @@ class LocalSource:
     def _via_parent(self, path: str, fn):  # type: ignore[no-untyped-def]
         """Call fn(p) with a path through the verified parent's /proc/self/fd link."""
         if path == "/":
-            return fn(self.root)
+            return fn(f"/proc/self/fd/{self._rootfd()}")
         fd, name = self._parent(path)
         try:
             return fn(f"/proc/self/fd/{fd}/{name}")

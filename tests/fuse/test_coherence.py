@@ -133,3 +133,46 @@ def test_a_mapping_survives_a_change_on_the_source(tmp_path, mounts, mode, how, 
     assert after in (hashlib.sha256(old).hexdigest(), hashlib.sha256(new).hexdigest()), "a mix of versions"
     fault_report("file changed on the source under a mapping (in place or renamed, TTL 1 s or default, both modes)",
                  "no SIGBUS; the mapping reads its version whole", "-")
+
+
+def _tree(root, files):
+    for name, data in files.items():
+        (root / name).write_bytes(data)
+
+
+@pytest.mark.parametrize("how", ["remounted", "renamed"])
+def test_a_source_path_that_names_another_tree_later_serves_one_tree(tmp_path, mounts, how, fault_report):
+    if how == "remounted" and os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    src = tmp_path / "src"
+    src.mkdir()
+    old = {"a": os.urandom(1000), "b": os.urandom(200_000)}
+    new = {"a": os.urandom(500), "c": os.urandom(10)}
+    if how == "remounted":
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(src)], check=True)
+    try:
+        _tree(src, old)
+        mp = _mount(mounts, src, "zero-message", ttl=1)
+        assert (mp / "a").read_bytes() == old["a"]
+        assert sorted(os.listdir(mp)) == sorted(old)
+        if how == "remounted":
+            subprocess.run(["umount", "-l", str(src)], check=True)
+            subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(src)], check=True)
+        else:
+            src.rename(tmp_path / "src.old")
+            src.mkdir()
+        _tree(src, new)
+        time.sleep(1.5)
+        assert sorted(os.listdir(mp)) == sorted(old)  # one tree: names, sizes and bytes
+        assert not (mp / "c").exists()
+        for name, data in old.items():
+            assert (mp / name).stat().st_size == len(data)
+            assert (mp / name).read_bytes() == data
+        log = (tmp_path / "cache" / "cachefs.log").read_text()
+        assert "now names another directory" in log
+    finally:
+        if how == "remounted":
+            mounts.unmount(tmp_path / "mnt")
+            subprocess.run(["umount", "-l", str(src)], check=False)
+    fault_report(f"the source path {how} to another tree under the daemon",
+                 "the mounted tree, whole (names, sizes, bytes); one warning", "-")
