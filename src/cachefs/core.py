@@ -29,6 +29,7 @@ from contextlib import AbstractContextManager
 from queue import SimpleQueue
 from typing import Protocol
 
+from cachefs import acl
 from cachefs.blocks import FileId, block_count, block_extent, block_key, block_range, entry_id
 from cachefs.config import (
     DEFAULT_BLOCK_SIZE,
@@ -193,6 +194,9 @@ class Core:
             prefetcher.add_feeder(DIR, self.dir_readahead)
         self._attrs = _TTLCache(metadata_entries, clock)
         self._dirs = _TTLCache(max(1, metadata_entries // 10), clock)
+        self._xattr_cache = _TTLCache(metadata_entries, clock)
+        # --allow-other: modes are cut down to what POSIX ACLs grant (see _with_acl)
+        self.check_acls = False
         # After a restart, the NVMe tier knows the attributes each cached file was stored
         # under. Lookups are answered from them (within --metadata-ttl of when they were
         # last known good), and every directory is checked once, in bulk: its first listing
@@ -236,6 +240,8 @@ class Core:
         self.stats.incr("metadata.misses")
         try:
             attr = self._source_call("stat", self.source.stat, path)
+            if self.check_acls:
+                attr = self._with_acl(path, attr)
         except FileNotFoundError:
             self._attrs.put(path, errno.ENOENT, self.negative_ttl)
             raise
@@ -298,7 +304,7 @@ class Core:
         for e in entries:
             if e.attr is not None:
                 fresh[e.name] = e.attr
-                self._attrs.put(prefix + e.name, e.attr, self.metadata_ttl)
+                self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
         # Only now is the directory checked: until here a lookup found the index (and is
         # in `answered`) or the listing's attributes, never the source.
         with self._check_lock:
@@ -357,16 +363,57 @@ class Core:
     def statfs(self) -> dict:
         return self._source_call("statfs", self.source.statfs)
 
+    def _xattrs_of(self, path: str) -> dict[str, bytes | None]:
+        """The extended attributes of `path` known so far: "" -> the names (one listxattr),
+        name -> value. Kept with the metadata for --metadata-ttl: `ls -l` asks for two
+        attributes of every file it lists, and most files have none."""
+        known = self._xattr_cache.get(path)
+        if isinstance(known, dict):
+            self.stats.incr("metadata.hits")
+            return known
+        try:
+            names = self._source_call("listxattr", self.source.listxattr, path)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            names = []
+        fresh: dict[str, bytes | None] = {"": "\0".join(names).encode()}
+        self._xattr_cache.put(path, fresh, self.metadata_ttl)
+        return fresh
+
     def getxattr(self, path: str, name: str) -> bytes:
-        return self._source_call("getxattr", self.source.getxattr, path, name)
+        known = self._xattrs_of(path)
+        if name not in (known[""] or b"").decode().split("\0"):
+            raise OSError(errno.ENODATA, "no such attribute", path)
+        value = known.get(name)
+        if value is None:
+            value = known[name] = self._source_call("getxattr", self.source.getxattr, path, name)
+        return value
 
     def listxattr(self, path: str) -> list[str]:
-        return self._source_call("listxattr", self.source.listxattr, path)
+        raw = (self._xattrs_of(path)[""] or b"").decode()
+        return raw.split("\0") if raw else []
+
+    def _with_acl(self, path: str, attr: Attr) -> Attr:
+        """Under --allow-other (`check_acls`): the mode cut down to what the file's POSIX ACL
+        grants each class of users (cachefs.acl), so the kernel never grants more."""
+        if not self.check_acls or stat_mod.S_ISLNK(attr.mode):
+            return attr
+        try:
+            raw = self.source.getxattr(path, acl.XATTR)
+        except OSError as exc:
+            if exc.errno == errno.ENODATA:
+                return attr
+            if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                return attr  # no extended attributes here, so no ACL
+            return attr._replace(mode=attr.mode & ~0o077)  # unknown: never more than the owner's
+        return attr._replace(mode=acl.restrict(attr.mode, raw, attr.gid))
 
     def invalidate(self, path: str) -> None:
         """Forget cached metadata of `path` (its blocks are keyed by identity and simply stop matching)."""
         self._attrs.pop(path)
         self._dirs.pop(path)
+        self._xattr_cache.pop(path)
 
     def entry_info(self, fid: FileId) -> EntryInfo:
         """What a tier records with a cached file version: its path and attributes (kept so

@@ -71,6 +71,7 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
 
         attach(core)  # order hints
         prefetcher.start()
+    core.check_acls = config.allow_other  # other users: never more than the source's ACLs grant
     return core
 
 

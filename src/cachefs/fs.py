@@ -59,6 +59,9 @@ XATTR_INFO = CONTROL_PREFIX + "info"
 # Locks the opens of a node take (striped by node id): one open of a file at a time
 NODE_LOCKS = 64
 
+# extended attributes only root may read (the daemon may run as root for another user)
+_PRIVILEGED_XATTRS = ("trusted.",)
+
 _QUIET_ERRNOS = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.ENOSYS, errno.ENOTTY}
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -628,11 +631,14 @@ class CachefsFS(Operations):
         text = os.fsdecode(name)
         if nodeid == p.ROOT_ID and text.startswith(CONTROL_PREFIX):
             return self._control(text, req.uid)
+        if text.startswith(_PRIVILEGED_XATTRS) and req.uid != 0:
+            raise FuseError(errno.ENODATA)  # the daemon may read them; the caller may not
         return self.core.getxattr(self.nodes.path(nodeid), text)
 
     @_fuse_op
     def listxattr(self, req: Request, nodeid: int) -> Iterable[bytes]:
-        return [os.fsencode(n) for n in self.core.listxattr(self.nodes.path(nodeid))]
+        names = self.core.listxattr(self.nodes.path(nodeid))
+        return [os.fsencode(n) for n in names if req.uid == 0 or not n.startswith(_PRIVILEGED_XATTRS)]
 
     def _control(self, name: str, uid: int) -> bytes:
         if uid not in (self._owner, 0):

@@ -25,6 +25,7 @@ class MemorySource:
         self._nodes: dict[str, tuple[Attr, object]] = {}
         self._lock = threading.Lock()
         self.calls: Counter[str] = Counter()
+        self.xattrs: dict[str, dict[str, bytes]] = {}
         self.bytes_read = 0
         self.faults: dict[tuple[str, str], int] = {}  # (op, path) -> errno
         self.latency = latency
@@ -139,10 +140,16 @@ class MemorySource:
         return {"f_bsize": 4096, "f_frsize": 4096, "f_blocks": 1000, "f_bfree": 500, "f_bavail": 400,
                 "f_files": 100, "f_ffree": 50, "f_favail": 50, "f_namemax": 255}
 
+    def set_xattr(self, path: str, name: str, value: bytes) -> None:
+        self.xattrs.setdefault(path, {})[name] = value
+
     def getxattr(self, path: str, name: str) -> bytes:
         self._enter("getxattr", path)
-        raise OSError(errno.ENODATA, "no such attribute", path)
+        try:
+            return self.xattrs[path][name]
+        except KeyError:
+            raise OSError(errno.ENODATA, "no such attribute", path) from None
 
     def listxattr(self, path: str) -> list[str]:
         self._enter("listxattr", path)
-        return []
+        return list(self.xattrs.get(path, {}))

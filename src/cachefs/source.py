@@ -444,7 +444,7 @@ class LocalSource:
     def _via_parent(self, path: str, fn):  # type: ignore[no-untyped-def]
         """Call fn(p) with a path through the verified parent's /proc/self/fd link."""
         if path == "/":
-            return fn(f"/proc/self/fd/{self._rootfd()}")
+            return fn(f"/proc/self/fd/{self._rootfd()}/.")  # "/.": the directory, not the link
         fd, name = self._parent(path)
         try:
             return fn(f"/proc/self/fd/{fd}/{name}")

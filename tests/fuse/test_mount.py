@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import stat
+import struct
 import subprocess
 import sys
 import tempfile
@@ -19,7 +20,7 @@ import pytest
 from cachefs.config import DEFAULT_BLOCK_SIZE
 from cachefs.stats import SCHEMA_VERSION
 from cachefs.tiers.disk import INDEX_FLUSH_EVERY
-from tests.helpers import ROOT, SYSTEM_PYTHON, Mounts, as_user, cli, is_mounted, stats
+from tests.helpers import NOBODY, ROOT, SYSTEM_PYTHON, Mounts, as_user, cli, is_mounted, stats
 from tools.slowfs import read_stats as slowfs_stats
 from tools.slowfs import reset_stats as slowfs_reset
 
@@ -247,6 +248,49 @@ def _check_other_users(base, mounts):
     # the control interface answers only its owner
     code, out = _as_nobody(f"import os; os.getxattr({str(mp)!r}, 'user.cachefs.stats')")
     assert code != 0 and ("Permission denied" in out or "No data" in out)
+
+
+def _acl(mode, uid, perm):
+    """A POSIX access ACL as the kernel stores it: the plain bits plus u:uid:perm."""
+    entries = [(0x01, (mode >> 6) & 7, 0xFFFFFFFF), (0x02, perm, uid), (0x04, (mode >> 3) & 7, 0xFFFFFFFF),
+               (0x10, ((mode >> 3) & 7) | perm, 0xFFFFFFFF), (0x20, mode & 7, 0xFFFFFFFF)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+@pytest.mark.skipif(os.getuid() != 0 or not os.path.exists(SYSTEM_PYTHON),
+                    reason="needs root and a system python3 to act as another user")
+def test_allow_other_never_grants_what_an_acl_denies(fault_report):
+    base = Path(tempfile.mkdtemp(prefix="cachefs-acl-"))
+    os.chmod(base, 0o755)
+    mounts = Mounts(base)
+    try:
+        src = base / "src"
+        src.mkdir(mode=0o755)
+        for name in ("denied", "granted", "plain"):
+            (src / name).write_text(name)
+        os.chmod(src / "denied", 0o644)
+        os.chmod(src / "granted", 0o600)
+        os.chmod(src / "plain", 0o644)
+        try:
+            os.setxattr(src / "denied", "system.posix_acl_access", _acl(0o644, NOBODY, 0))
+            os.setxattr(src / "granted", "system.posix_acl_access", _acl(0o600, NOBODY, 4))
+        except OSError as exc:
+            pytest.skip(f"this file system has no POSIX ACLs ({exc.strerror})")
+        check = ("import errno\n"
+                 "for n in ('denied', 'granted', 'plain'):\n"
+                 "    try: open({root!r} + '/' + n).read(); print(n, 'read')\n"
+                 "    except OSError as e: print(n, errno.errorcode[e.errno])\n")
+        _, direct = _as_nobody(check.format(root=str(src)))
+        assert direct.split() == ["denied", "EACCES", "granted", "read", "plain", "read"]
+        mp = mounts.cachefs(str(src), extra=["--allow-other"])
+        _, through = _as_nobody(check.format(root=str(mp)))
+        assert through.split() == ["denied", "EACCES", "granted", "EACCES", "plain", "read"], through
+        assert os.getxattr(mp / "denied", "system.posix_acl_access") == _acl(0o644, NOBODY, 0)
+    finally:
+        mounts.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
+    fault_report("--allow-other: a POSIX ACL denies nobody a 644 file, grants nobody a 600 file",
+                 "denied: EACCES (as on the source); granted: EACCES (not honoured, documented)", "-")
 
 
 def test_stats_table_json_and_nothing_visible(zoo, mounts):
