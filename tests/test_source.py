@@ -157,3 +157,42 @@ def test_big_files_kept_open_serve_many_threads_without_a_wrong_descriptor(tmp_p
 
     with cf.ThreadPoolExecutor(8) as ex:
         assert all(ex.map(work, range(8)))
+
+
+def _within(seconds, fn, *args):
+    """fn(*args) in a thread: its exception or result, or a failure if it hangs."""
+    import threading
+
+    out = []
+
+    def run():
+        try:
+            out.append(("ok", fn(*args)))
+        except BaseException as exc:
+            out.append(("raised", exc))
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert out, f"{fn.__name__} hung"
+    return out[0]
+
+
+@pytest.mark.parametrize("swap", ["fifo", "directory"])
+def test_a_file_swapped_for_a_fifo_or_a_directory_is_changed_never_read_or_waited_on(tmp_path, swap):
+    root = tmp_path / "src"
+    root.mkdir()
+    (root / "f").write_bytes(b"x" * 8192)
+    source = LocalSource(str(root))
+    st = source.stat("/f")
+    fid = FileId("/f", st.size, st.mtime_ns, st.ctime_ns)
+    (root / "f").unlink()
+    if swap == "fifo":
+        os.mkfifo(root / "f")  # no writer: a blocking open would wait forever
+    else:
+        (root / "f").mkdir()
+    direct = source._direct
+    for call, args in ((source.read_range, (fid, 0, 4096)), (source.read_whole, ("/f", 1 << 20))):
+        kind, exc = _within(5, call, *args)
+        assert kind == "raised" and isinstance(exc, SourceChanged), exc
+    assert source._direct == direct  # a directory's EINVAL is not the file system refusing O_DIRECT

@@ -300,7 +300,36 @@ class LocalSource:
         return out
 
     def _open_file(self, path: str, direct: bool = False) -> int:
-        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_DIRECT if direct else 0)
+        """A descriptor of the regular file at `path`, or SourceChanged: whatever else is
+        there now (a FIFO, a device, a directory swapped in after its stat was cached) is
+        never read as a file. O_NONBLOCK, so that opening a FIFO cannot wait for a writer.
+        A file system that refuses O_DIRECT turns it off; a directory does not."""
+        if direct:
+            try:
+                return self._open_regular(path, True)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+            fd = self._open_regular(path, False)  # not a regular file: SourceChanged here
+            self._direct = False  # a regular file that refuses O_DIRECT: this file system does
+            log.info("source does not support O_DIRECT at open; using buffered reads")
+            return fd
+        return self._open_regular(path, False)
+
+    def _open_regular(self, path: str, direct: bool) -> int:
+        fd = self._open_flags(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+                              | (os.O_DIRECT if direct else 0))
+        try:
+            mode = os.fstat(fd).st_mode
+        except BaseException:
+            os.close(fd)
+            raise
+        if not stat_mod.S_ISREG(mode):
+            os.close(fd)
+            raise SourceChanged(path)
+        return fd
+
+    def _open_flags(self, path: str, flags: int) -> int:
         if self._noatime:
             try:
                 return self._open_file_flags(path, flags | self._noatime)

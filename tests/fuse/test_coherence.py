@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.helpers import stats
+from tests.helpers import cli, is_mounted, stats
 
 MODES = {"passthrough": ["--passthrough", "on"], "zero-message": ["--passthrough", "off"]}
 MTIME = 1_704_067_200 * 10**9  # 2024-01-01, as a tarball re-extracted with fixed mtimes has
@@ -176,3 +176,51 @@ def test_a_source_path_that_names_another_tree_later_serves_one_tree(tmp_path, m
             subprocess.run(["umount", "-l", str(src)], check=False)
     fault_report(f"the source path {how} to another tree under the daemon",
                  "the mounted tree, whole (names, sizes, bytes); one warning", "-")
+
+
+READ_ALL = textwrap.dedent("""
+    import concurrent.futures, errno, os, sys
+    def read(p):
+        # O_NONBLOCK: once the mount shows a FIFO, opening it waits for a writer, as on the source
+        try:
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                return len(os.read(fd, 1 << 20))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            return errno.errorcode[e.errno]
+    with concurrent.futures.ThreadPoolExecutor(len(sys.argv) - 1) as pool:
+        print(" ".join(map(str, pool.map(read, sys.argv[1:]))))
+""")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_files_swapped_for_fifos_never_hang_a_reader_the_daemon_or_the_cli(tmp_path, mounts, mode, fault_report):
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    for i in range(70):
+        (src / "d" / f"f{i}").write_bytes(os.urandom(3000))
+    (src / "healthy").write_bytes(b"h" * 5000)
+    mp = _mount(mounts, src, mode, ttl=None)
+    for i in range(70):
+        assert (mp / "d" / f"f{i}").stat().st_size == 3000  # the stat is cached: a regular file
+    for i in range(70):
+        (src / "d" / f"f{i}").unlink()
+        os.mkfifo(src / "d" / f"f{i}")  # no writer, ever
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", READ_ALL, *[str(mp / "d" / f"f{i}") for i in range(70)]],
+                          capture_output=True, text=True, timeout=60)
+    outcomes = set(proc.stdout.split())
+    # the daemon never reads a FIFO as the file it was: an error, or (once the name is
+    # looked up again) the mount's own FIFO, empty without a writer
+    assert outcomes <= {"ESTALE", "ENOENT", "EINVAL", "EAGAIN", "0"}, proc.stdout + proc.stderr
+    assert (mp / "healthy").read_bytes() == b"h" * 5000  # a file nobody read yet: the daemon is free
+    warm = cli("warm", mp, timeout=60)
+    assert warm.returncode in (0, 1), warm.stdout + warm.stderr
+    took = time.monotonic() - start
+    assert cli("umount", mp, timeout=30).returncode == 0
+    assert not is_mounted(mp)
+    fault_report(f"70 cached files swapped for FIFOs with no writer ({mode})",
+                 f"{'/'.join(sorted(outcomes))} at once; other files served; warm and umount finish ({took:.1f} s)",
+                 "-")
