@@ -316,13 +316,14 @@ def _follow_request(mp: str, req: dict[str, Any], what: str,
     """Send a streaming control request; show its progress on stderr (in place on a
     terminal, every 10 s otherwise) and return the final reply without its marker."""
     from cachefs.control import request
-    from cachefs.mounttable import control_address
+    from cachefs.mounttable import CONTROL_TIMEOUT, control_address
 
     tty = sys.stderr.isatty()
     final: dict[str, Any] = {}
     last_print = 0.0
     try:
-        for reply in request(control_address(mp), req):
+        # progress comes every half second: a daemon silent for CONTROL_TIMEOUT has stopped
+        for reply in request(control_address(mp), req, timeout=CONTROL_TIMEOUT):
             if "error" in reply:
                 raise CachefsError(f"{what}: {reply['error']}")
             if reply.get("final"):
@@ -333,6 +334,9 @@ def _follow_request(mp: str, req: dict[str, Any], what: str,
             elif reply["elapsed_s"] - last_print >= 10:
                 last_print = reply["elapsed_s"]
                 print(progress_line(reply), file=sys.stderr, flush=True)
+    except TimeoutError:
+        raise CachefsError(f"{what}: the daemon of {mp} stopped answering (nothing for "
+                           f"{CONTROL_TIMEOUT:g} s; stopped or hung)") from None
     except OSError as exc:
         raise CachefsError(f"cannot reach the daemon of {mp}: {exc.strerror or exc}") from None
     if tty:
@@ -416,16 +420,19 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     if args.watch is not None:
         return _cmd_watch(args)
     if args.mountpoint is None:
+        from concurrent.futures import ThreadPoolExecutor
+
         mounts = cachefs_mounts()
-        listing = []
-        for m in mounts:
-            snap: dict[str, Any] | None = None
-            problem: str | None = None
+
+        def ask(m: Any) -> tuple[Any, dict[str, Any] | None, str | None]:
             try:
-                snap = read_control(m.mountpoint, "user.cachefs.stats")
-            except CachefsError as exc:  # a stale mount, or another user's
-                problem = str(exc)
-            listing.append((m, snap, problem))
+                return m, read_control(m.mountpoint, "user.cachefs.stats"), None
+            except CachefsError as exc:  # a stale mount, a stopped daemon, or another user's
+                return m, None, str(exc)
+
+        # all at once: a stopped daemon costs the listing one timeout, not one per mount
+        with ThreadPoolExecutor(max(1, min(16, len(mounts)))) as pool:
+            listing = list(pool.map(ask, mounts))
         if args.json:
             print(json.dumps([{"mountpoint": m.mountpoint, "source": m.source, "stats": snap, "error": problem}
                               for m, snap, problem in listing]))

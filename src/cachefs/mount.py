@@ -9,7 +9,7 @@ init has run (the mount is live) or the child has failed, whose message it print
 
 from __future__ import annotations
 
-import json
+import fcntl
 import logging
 import os
 import select
@@ -31,8 +31,9 @@ from cachefs.errors import CachefsError
 from cachefs.mounttable import (
     FSTYPE,
     find_mount,
-    is_stale,
     kernel_unmount,
+    probe,
+    read_control,
 )
 from cachefs.validate import default_log_file, prepare_cache_dir, validate
 
@@ -43,6 +44,29 @@ def mount(config: Config, out: Callable[[str], None] = print, check_only: bool =
     """`cachefs mount`: validate, then serve in the foreground or as a daemon (or, with
     `check_only`, say that it would)."""
     os.umask(0o077)  # the cache dir, its blocks and the log are private to this user
+    lock = None if check_only else _lock_mountpoint(config.mountpoint)
+    try:
+        return _mount(config, out, check_only, lock)
+    finally:
+        if lock is not None:
+            os.close(lock)
+
+
+def _lock_mountpoint(path: str) -> int | None:
+    """Hold an exclusive lock on the mount point directory while a mount is set up, so that
+    of two `cachefs mount` on one point at the same moment exactly one mounts; the other
+    then finds it a mount point. None where there is nothing to lock (validate says why)."""
+    if probe(path)[0] != "none":
+        return None  # a mount already: validate refuses it (or clears a dead one)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _mount(config: Config, out: Callable[[str], None], check_only: bool, lock: int | None) -> int:
     notices = validate(config, check_only=check_only)
     for notice in notices:
         print(f"cachefs: {notice}", file=sys.stderr)
@@ -59,6 +83,8 @@ def mount(config: Config, out: Callable[[str], None] = print, check_only: bool =
         setup_logging(max(config.verbose, 1 if config.debug_fuse else 0), config.log_file)
 
         def ready() -> None:
+            if lock is not None:
+                fcntl.flock(lock, fcntl.LOCK_UN)  # mounted: another mount now finds a mount point
             out(f"cachefs: mounted {summary}; Ctrl-C to unmount")
             sd_notify(f"READY=1\nSTATUS=serving {config.source} at {config.mountpoint}")
 
@@ -79,6 +105,8 @@ def mount(config: Config, out: Callable[[str], None] = print, check_only: bool =
     pid = os.fork()
     if pid == 0:  # the daemon
         os.close(rfd)
+        if lock is not None:
+            os.close(lock)  # the caller's lock, released when the mount is live
         code = 1
         try:
             os.setsid()
@@ -182,21 +210,31 @@ def _wait_live(mountpoint: str, pid: int, timeout: float = 5.0) -> bool:
 
 def unmount(mountpoint: str, timeout: float = 30.0) -> str:
     """Unmount a cachefs mount and wait for its daemon to finish writing the cache."""
-    mp = os.path.abspath(mountpoint)
+    state, mp = probe(mountpoint)
     entry = find_mount(mp)
     if entry is None:
         raise CachefsError(f"{mountpoint} is not mounted")
     if entry.fstype != FSTYPE:
         raise CachefsError(f"{mountpoint} is a {entry.fstype} mount, not cachefs")
-    if is_stale(mp):
+    if state == "dead":
         problem = kernel_unmount(mp, lazy=True)
         if problem is not None:
             raise CachefsError(f"could not clear the stale mount {mp}: {problem}")
         return f"cleared stale mount {mp} (its daemon had died)"
+    if state == "hung":
+        # alive but not answering (stopped, or stuck in the source): the kernel can still
+        # unmount it if nothing holds it; the daemon ends when it runs again
+        problem = kernel_unmount(mp)
+        if problem is not None:
+            if "busy" in problem.lower():
+                raise CachefsError(f"{mp} is busy and its daemon does not answer (stopped or hung): close the "
+                                   f"files using it and retry, or detach it with: umount -l {mp}")
+            raise CachefsError(f"unmounting {mp} failed: {problem}")
+        return f"unmounted {mp}; its daemon does not answer (stopped or hung) and exits when it runs again"
     pid = None
     try:
-        pid = int(json.loads(os.getxattr(mp, "user.cachefs.info"))["pid"])
-    except (OSError, ValueError, KeyError):
+        pid = int(read_control(mp, "user.cachefs.info")["pid"])
+    except (CachefsError, ValueError, KeyError):
         pass
     problem = kernel_unmount(mp)
     if problem is not None:

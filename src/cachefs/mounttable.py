@@ -11,11 +11,15 @@ import logging
 import os
 import shutil
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from cachefs.errors import CachefsError
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def _inside(child: str, parent: str) -> bool:
@@ -89,40 +93,81 @@ def kernel_unmount(mountpoint: str, lazy: bool = False) -> str | None:
         return str(exc.strerror or exc)
 
 
-def is_stale(mountpoint: str, timeout: float = 5.0) -> bool:
-    """A FUSE mount whose daemon is gone (or hangs for `timeout` seconds).
+# Seconds the CLI waits for a daemon before it says the daemon does not answer (a daemon
+# stopped with SIGSTOP, or stuck): every control request and every probe of a mount point.
+CONTROL_TIMEOUT = float(os.environ.get("CACHEFS_CONTROL_TIMEOUT", "10"))
 
-    statfs, because the kernel never caches it: stat() of a dead mount's root can still
-    succeed from the attribute cache. In a thread, because a stopped daemon makes it block.
-    """
-    result: list[bool] = []
 
-    def probe() -> None:
+class NotAnswering(CachefsError):
+    """The daemon of a mount did not answer in time."""
+
+
+def bounded(fn: Callable[[], T], timeout: float, what: str) -> T:
+    """fn() in a thread, waited for at most `timeout` seconds: anything that touches a FUSE
+    mount point (a stat, a getxattr, even resolving its path) blocks for as long as its
+    daemon does not answer. Raises NotAnswering then; the thread is left behind."""
+    result: list[tuple[bool, object]] = []
+
+    def run() -> None:
         try:
-            os.statvfs(mountpoint)
-            result.append(False)
-        except OSError as exc:
-            result.append(exc.errno == errno.ENOTCONN)
+            result.append((True, fn()))
+        except BaseException as exc:
+            result.append((False, exc))
 
-    t = threading.Thread(target=probe, daemon=True)
+    t = threading.Thread(target=run, daemon=True, name="cachefs-probe")
     t.start()
     t.join(timeout)
-    return result[0] if result else True
+    if not result:
+        raise NotAnswering(f"{what}: its daemon does not answer within {timeout:g} s (stopped or hung)")
+    ok, value = result[0]
+    if not ok:
+        raise value  # type: ignore[misc]
+    return value  # type: ignore[return-value]
 
 
-def read_control(mountpoint: str, name: str) -> dict:
-    """Read one user.cachefs.* attribute of a live cachefs mount as JSON."""
-    mp = os.path.abspath(mountpoint)
-    entry = find_mount(mp)
-    if entry is None or entry.fstype != FSTYPE:
-        raise CachefsError(f"{mountpoint} is not a cachefs mount point")
+def probe(mountpoint: str, timeout: float = CONTROL_TIMEOUT) -> tuple[str, str]:
+    """(state, resolved path) of a mount point: "none" (nothing mounted there), "live",
+    "dead" (the kernel says its daemon is gone: ENOTCONN), or "hung" (no answer within
+    `timeout`: stopped, or stuck, but alive). Only "dead" is stale.
+
+    statfs, because the kernel never caches it: stat() of a dead mount's root can still
+    succeed from the attribute cache."""
+    path = os.path.abspath(mountpoint)
+
+    def look() -> tuple[str, str]:
+        real = os.path.realpath(path)  # resolving the mount point itself asks its daemon
+        if find_mount(real) is None:
+            return "none", real
+        try:
+            os.statvfs(real)
+        except OSError as exc:
+            return ("dead" if exc.errno == errno.ENOTCONN else "live"), real
+        return "live", real
+
     try:
-        raw = os.getxattr(mp, name)
-    except OSError as exc:
-        if exc.errno == errno.ENOTCONN:
-            raise CachefsError(f"{mp} is a stale cachefs mount (its daemon died); run: cachefs umount {mp}") from None
-        raise CachefsError(f"cannot read stats of {mp}: {exc.strerror}") from None
-    return json.loads(raw)
+        return bounded(look, timeout, path)
+    except NotAnswering:
+        return "hung", path
+
+
+def read_control(mountpoint: str, name: str, timeout: float = CONTROL_TIMEOUT) -> dict:
+    """Read one user.cachefs.* attribute of a live cachefs mount as JSON; a one-line
+    CachefsError naming the mount if it is not one, is stale, or does not answer."""
+    mp = os.path.abspath(mountpoint)
+
+    def read() -> bytes:
+        entry = find_mount(mp)
+        if entry is None or entry.fstype != FSTYPE:
+            raise CachefsError(f"{mountpoint} is not a cachefs mount point")
+        try:
+            return os.getxattr(mp, name)
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                raise CachefsError(f"{mp} is a stale cachefs mount (its daemon died); "
+                                   f"run: cachefs umount {mp}") from None
+            raise CachefsError(f"cannot read stats of {mp}: {exc.strerror}") from None
+
+    return json.loads(bounded(read, timeout, mp))
 
 
 def control_address(mountpoint: str) -> str:

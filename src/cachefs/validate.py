@@ -26,7 +26,7 @@ from cachefs.config import (
     format_size,
 )
 from cachefs.errors import CachefsError
-from cachefs.mounttable import FSTYPE, _inside, find_mount, fusermount_available, is_stale, kernel_unmount
+from cachefs.mounttable import FSTYPE, _inside, find_mount, fusermount_available, kernel_unmount, probe
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,11 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         raise CachefsError(f"source {config.source!r} is not readable by this user")
     src = os.path.realpath(src)
 
-    mp = os.path.realpath(os.path.abspath(config.mountpoint))
-    stale = is_stale(mp)
+    state, mp = probe(config.mountpoint)
+    if state == "hung":  # alive: never stack a mount over it
+        raise CachefsError(f"{mp} is already a cachefs mount point, and its daemon does not answer "
+                           f"(stopped or hung); unmount it first: cachefs umount {mp}")
+    stale = state == "dead"
     if stale:
         entry = find_mount(mp)
         if entry is None or entry.fstype != FSTYPE:
@@ -172,7 +175,7 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         notices.append(f"would clear a stale cachefs mount at {mp} (its daemon had died)")
     elif stale:
         problem = kernel_unmount(mp, lazy=True)
-        if problem is not None or is_stale(mp):
+        if problem is not None or probe(mp)[0] == "dead":
             raise CachefsError(f"{mp} is a stale cachefs mount and clearing it failed: {problem}")
         notices.append(f"cleared a stale cachefs mount at {mp} (its daemon had died)")
     if not os.path.exists(mp):
