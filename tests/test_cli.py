@@ -25,9 +25,9 @@ def listing(root):
     "missing-source", "source-is-file", "missing-mountpoint", "mountpoint-not-empty", "mountpoint-is-file",
     "mountpoint-inside-source", "source-inside-mountpoint", "cache-inside-source", "cache-inside-mountpoint",
     "cache-unwritable", "cache-is-file", "bad-block-size", "negative-prefetch-workers", "warm-without-workers",
-    "log-file-in-source", "log-file-dir-missing",
+    "log-file-in-source", "log-file-dir-missing", "log-file-fifo", "metrics-without-prometheus-client",
 ])
-def test_bad_mount_requests(case, tree, capsys, fault_report):
+def test_bad_mount_requests(case, tree, capsys, fault_report, monkeypatch):
     tmp, src, mp = tree
     cache = tmp / "cache"
     args = {"src": src, "mp": mp, "cache": cache, "extra": []}
@@ -65,6 +65,14 @@ def test_bad_mount_requests(case, tree, capsys, fault_report):
         args["extra"] = ["--log-file", str(src / "a" / "log")]
     elif case == "log-file-dir-missing":
         args["extra"] = ["--log-file", str(tmp / "nope" / "x.log")]
+    elif case == "log-file-fifo":
+        os.mkfifo(tmp / "log.fifo")
+        args["extra"] = ["--log-file", str(tmp / "log.fifo")]
+    elif case == "metrics-without-prometheus-client":
+        import sys
+
+        monkeypatch.setitem(sys.modules, "prometheus_client", None)  # what an environment without it imports
+        args["extra"] = ["--metrics-addr", "127.0.0.1:9"]
     before = listing(tmp)
     code = main(["mount", str(args["src"]), str(args["mp"]), "--cache-dir", str(args["cache"]),
                  "--ram-size", "64MiB", "--disk-size", "64MiB", *args["extra"]])
@@ -92,6 +100,8 @@ def test_bad_mount_requests(case, tree, capsys, fault_report):
     (["mount", "s", "m", "--policy", "fifo"], "invalid --policy"),
     (["mount", "s", "m", "--source-timeout", "-3"], "invalid --source-timeout"),
     (["mount", "s", "m", "--source-timeout", "soon"], "invalid --source-timeout"),
+    (["mount", "s", "m", "--source-timeout", "3000000h"], "at most 8760h"),
+    (["mount", "s", "m", "--metadata-ttl", "1" + "0" * 30], "at most 8760h"),
     (["diagnose", "d", "--workers", "0"], "invalid --workers '0'"),
     (["diagnose", "d", "--batch-size", "many"], "invalid --batch-size"),
     (["diagnose", "d", "--target", "-5"], "invalid --target"),

@@ -171,13 +171,19 @@ def format_size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+MAX_DURATION = 365 * 24 * 3600  # seconds: the longest --metadata-ttl, --source-timeout, ...
+
+
 def parse_duration(text: str, what: str = "duration") -> float:
     """Parse seconds, optionally with a unit: '30', '1.5s', '10m', '1h'."""
     m = re.match(r"^\s*([0-9]+(?:\.[0-9]*)?)\s*(ms|s|m|h|)\s*$", str(text))
     if not m:
         raise CachefsError(f"invalid {what} {text!r}: expected seconds, e.g. 30, 500ms, 10m or 1h")
     scale = {"ms": 0.001, "s": 1, "": 1, "m": 60, "h": 3600}[m.group(2)]
-    return float(m.group(1)) * scale
+    seconds = float(m.group(1)) * scale
+    if seconds > MAX_DURATION:  # past what timers and the kernel's timeouts can hold
+        raise CachefsError(f"invalid {what} {text!r}: at most {MAX_DURATION // 3600:.0f}h (a year)")
+    return seconds
 
 
 def default_cache_dir() -> str:

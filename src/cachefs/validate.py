@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import stat
 import tempfile
 
 import psutil
@@ -120,10 +121,18 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
             raise CachefsError(f"log file {log_file} is inside the source or the mount point")
         if os.path.isdir(log_file):
             raise CachefsError(f"log file {config.log_file!r} is a directory")
+        if os.path.exists(log_file) and not stat.S_ISREG(os.stat(log_file).st_mode):
+            raise CachefsError(f"log file {config.log_file!r} is not a regular file (a FIFO, a device, ...)")
         parent = os.path.dirname(log_file)
         if not _inside(parent, cache) and not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
             raise CachefsError(f"cannot write the log file {config.log_file!r}: {parent} is not a writable directory")
         config.log_file = log_file
+    if config.metrics_addr:
+        try:
+            import prometheus_client  # noqa: F401 - only whether it is there
+        except ImportError:
+            raise CachefsError("--metrics-addr needs prometheus-client in cachefs's environment: "
+                               "pip install prometheus-client") from None
     if not 4096 <= config.block_size <= 256 << 20 or config.block_size % 4096:
         raise CachefsError(f"block size {config.block_size} must be a multiple of 4 KiB between 4 KiB and 256 MiB")
     if config.metadata_ttl < 0 or config.negative_ttl < 0:

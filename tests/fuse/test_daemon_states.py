@@ -92,3 +92,13 @@ def test_two_mounts_on_one_point_at_once_exactly_one_wins(tmp_path, mounts, faul
         assert (mp / "x").read_bytes() == b"x"
     fault_report("two cachefs mount on one mount point at the same moment (3 times)",
                  "exactly one mounts; the other: 'already a mount point', exit 2", "-")
+
+
+def test_umount_through_a_symlink_to_the_mount_point(tmp_path, mounts):
+    src = tmp_path / "src"
+    src.mkdir()
+    mp = mounts.cachefs(str(src))
+    (tmp_path / "link").symlink_to(mp)
+    proc = cli("umount", tmp_path / "link")
+    assert proc.returncode == 0, proc.stderr
+    assert f"unmounted {mp}" in proc.stdout and _mounted_at(mp) == 0
