@@ -196,3 +196,26 @@ def test_a_file_swapped_for_a_fifo_or_a_directory_is_changed_never_read_or_waite
         kind, exc = _within(5, call, *args)
         assert kind == "raised" and isinstance(exc, SourceChanged), exc
     assert source._direct == direct  # a directory's EINVAL is not the file system refusing O_DIRECT
+
+
+def test_big_direct_reads_keep_no_big_buffers(tmp_path):
+    from cachefs import directio
+
+    data = os.urandom(9 << 20)
+    (tmp_path / "f").write_bytes(data)
+    (tmp_path / "small").write_bytes(b"s" * 8192)
+    fd = os.open(tmp_path / "small", os.O_RDONLY)
+    try:
+        assert directio.pread_direct(fd, 0, 8192) == b"s" * 8192
+    finally:
+        os.close(fd)
+    for direct in (True, False):
+        try:
+            got = directio.read_file(str(tmp_path / "f"), direct)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            continue
+        assert got == data
+    assert directio._buffers and all(len(b) <= directio.BUFFER_KEPT_MAX for b in directio._buffers)
+    assert sum(len(b) for b in directio._buffers) <= directio._BUFFERS_KEPT * directio.BUFFER_KEPT_MAX
