@@ -219,3 +219,34 @@ def test_big_direct_reads_keep_no_big_buffers(tmp_path):
         assert got == data
     assert directio._buffers and all(len(b) <= directio.BUFFER_KEPT_MAX for b in directio._buffers)
     assert sum(len(b) for b in directio._buffers) <= directio._BUFFERS_KEPT * directio.BUFFER_KEPT_MAX
+
+
+def make_deep_tree(root, depth=25, width=200, data=b"deep"):
+    """A tree deeper than PATH_MAX (25 levels of 200-character names), made a level at a time."""
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    names = []
+    for i in range(depth):
+        name = (f"{i:02d}" + "d" * width)[:width]
+        os.mkdir(name, dir_fd=fd)
+        nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nfd
+        names.append(name)
+    wfd = os.open("leaf", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd)
+    os.write(wfd, data)
+    os.close(wfd)
+    os.symlink("leaf", "link", dir_fd=fd)
+    os.close(fd)
+    return "/" + "/".join(names)
+
+
+def test_paths_longer_than_path_max_are_served(tmp_path):
+    deep = make_deep_tree(tmp_path)
+    assert len(deep) > 4096
+    source = LocalSource(str(tmp_path))
+    attr = source.stat(deep + "/leaf")
+    assert attr.size == 4
+    assert sorted(e.name for e in source.listdir(deep)) == ["leaf", "link"]
+    assert source.read_whole(deep + "/leaf", 1 << 20)[1] == b"deep"
+    assert source.read_range(FileId(deep + "/leaf", 4, attr.mtime_ns, attr.ctime_ns), 0, 4) == b"deep"
+    assert source.readlink(deep + "/link") == "leaf"

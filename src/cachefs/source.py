@@ -131,6 +131,8 @@ def _load_syscall():  # type: ignore[no-untyped-def]
 _syscall = _load_syscall()
 
 
+_PATH_CHUNK = 3072  # bytes of a path given to one openat2 (PATH_MAX is 4096)
+
 KEPT_FILES = 64  # big source files kept open between block reads
 
 
@@ -196,11 +198,23 @@ class LocalSource:
         self._moved_warned = moved
         return moved
 
-    def _openat2_call(self, rel: str, flags: int) -> int:
+    def _openat2_call(self, rel: str | bytes, flags: int, base: int = -1) -> int:
+        """openat2 under `base` (the root); a path longer than the kernel takes in one call
+        (PATH_MAX) is opened a part at a time, each part beneath the directory before it."""
         assert _syscall is not None
+        raw = os.fsencode(rel)
+        base = self._rootfd() if base < 0 else base
+        if len(raw) > _PATH_CHUNK:
+            cut = raw.rfind(b"/", 0, _PATH_CHUNK)
+            parent = self._openat2_call(raw[:cut], os.O_PATH | os.O_DIRECTORY, base)
+            if parent < 0:
+                return parent
+            try:
+                return self._openat2_call(raw[cut + 1:], flags, parent)
+            finally:
+                os.close(parent)
         how = _OpenHow(flags | os.O_CLOEXEC, 0, _RESOLVE_BENEATH | _RESOLVE_NO_MAGICLINKS)
-        fd = _syscall(_SYS_OPENAT2, self._rootfd(), os.fsencode(rel), ctypes.byref(how),
-                      ctypes.sizeof(how))
+        fd = _syscall(_SYS_OPENAT2, base, raw, ctypes.byref(how), ctypes.sizeof(how))
         return int(fd) if fd >= 0 else -ctypes.get_errno()
 
     def _open_beneath(self, rel: str, flags: int) -> int | None:

@@ -224,3 +224,28 @@ def test_files_swapped_for_fifos_never_hang_a_reader_the_daemon_or_the_cli(tmp_p
     fault_report(f"70 cached files swapped for FIFOs with no writer ({mode})",
                  f"{'/'.join(sorted(outcomes))} at once; other files served; warm and umount finish ({took:.1f} s)",
                  "-")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_tree_deeper_than_path_max_reads_through_the_mount(tmp_path, mounts, mode):
+    from tests.test_source import make_deep_tree
+
+    src = tmp_path / "src"
+    src.mkdir()
+    deep = make_deep_tree(src, data=b"deep" * 1000)
+    mp = _mount(mounts, src, mode, ttl=None)
+    fd = os.open(mp, os.O_RDONLY | os.O_DIRECTORY)  # as a program that walks with openat does
+    try:
+        for name in deep.strip("/").split("/"):
+            nfd = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+        assert sorted(os.listdir(fd)) == ["leaf", "link"]
+        assert os.readlink("link", dir_fd=fd) == "leaf"
+        leaf = os.open("leaf", os.O_RDONLY, dir_fd=fd)
+        try:
+            assert os.read(leaf, 1 << 20) == b"deep" * 1000
+        finally:
+            os.close(leaf)
+    finally:
+        os.close(fd)
