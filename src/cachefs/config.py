@@ -125,7 +125,8 @@ DEFAULT_MIN_FREE_MAX = 10 * GiB
 # keep freed blocks in an arena of its own, and RSS then drifts far above the RAM budget.
 MALLOC_ARENAS = 2
 
-# Metadata entries kept in the daemon (stat results and listings). About 250 bytes each.
+# Metadata entries kept in the daemon (stat results, extended attributes; a tenth as many
+# listings). About 1.25 KB per file looked up, node ids and listings included (tools/metamem.py).
 METADATA_MAX_ENTRIES = 500_000
 
 # How long `cachefs mount` waits for the daemon to report the mount ready (seconds).

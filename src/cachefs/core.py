@@ -92,6 +92,9 @@ def source_namespace(source_root: str) -> bytes:
     return hashlib.blake2b(source_root.encode("utf-8", "surrogateescape"), digest_size=8).hexdigest().encode()
 
 
+_NO_XATTRS: dict[str, bytes | None] = {"": b""}  # never written to: no name is in it
+
+
 class _TTLCache:
     """A bounded map of path -> (expiry, value), the oldest stored dropped first. Values may
     be an errno (negative entry)."""
@@ -377,8 +380,8 @@ class Core:
             if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
                 raise
             names = []
-        fresh: dict[str, bytes | None] = {"": "\0".join(names).encode()}
-        self._xattr_cache.put(path, fresh, self.metadata_ttl)
+        fresh: dict[str, bytes | None] = {"": "\0".join(names).encode()} if names else _NO_XATTRS
+        self._xattr_cache.put(path, fresh, self.metadata_ttl)  # most files: one shared "none"
         return fresh
 
     def getxattr(self, path: str, name: str) -> bytes:
