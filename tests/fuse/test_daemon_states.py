@@ -37,6 +37,7 @@ def test_a_stopped_daemon_gets_timeouts_not_hangs_and_is_never_called_dead(tmp_p
     a = mounts.cachefs(str(src), name="a", cache_dir=tmp_path / "ca")
     b = mounts.cachefs(str(src), name="b", cache_dir=tmp_path / "cb")
     pid = json.loads(os.getxattr(a, "user.cachefs.info"))["pid"]
+    assert (a / "x").read_bytes() == b"x" * 1000  # the mount's first close: the kernel learns no FLUSH
     held = open(a / "x", "rb")  # a process still holds a file in the mount
     os.kill(pid, signal.SIGSTOP)
     try:
