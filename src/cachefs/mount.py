@@ -35,7 +35,7 @@ from cachefs.mounttable import (
     probe,
     read_control,
 )
-from cachefs.validate import default_log_file, prepare_cache_dir, validate
+from cachefs.validate import default_log_file, hung_mount, prepare_cache_dir, validate
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,10 @@ def _lock_mountpoint(path: str) -> int | None:
     """Hold an exclusive lock on the mount point directory while a mount is set up, so that
     of two `cachefs mount` on one point at the same moment exactly one mounts; the other
     then finds it a mount point. None where there is nothing to lock (validate says why)."""
-    if probe(path)[0] != "none":
+    state, real = probe(path)
+    if state == "hung":
+        raise hung_mount(real)  # asked once: validate would wait out the same timeout again
+    if state != "none":
         return None  # a mount already: validate refuses it (or clears a dead one)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

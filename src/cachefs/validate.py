@@ -69,6 +69,12 @@ def source_is_rotational(path: str) -> bool:
     return False
 
 
+def hung_mount(mp: str) -> CachefsError:
+    """A mount point whose daemon is alive but does not answer: never mounted over."""
+    return CachefsError(f"{mp} is already a cachefs mount point, and its daemon does not answer "
+                        f"(stopped or hung); unmount it first: cachefs umount {mp}")
+
+
 def validate(config: Config, check_only: bool = False) -> list[str]:
     """Check a mount request; raise CachefsError (exit 2) on bad input, return notices.
 
@@ -90,9 +96,8 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
     src = os.path.realpath(src)
 
     state, mp = probe(config.mountpoint)
-    if state == "hung":  # alive: never stack a mount over it
-        raise CachefsError(f"{mp} is already a cachefs mount point, and its daemon does not answer "
-                           f"(stopped or hung); unmount it first: cachefs umount {mp}")
+    if state == "hung":
+        raise hung_mount(mp)
     stale = state == "dead"
     if stale:
         entry = find_mount(mp)
