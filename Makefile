@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml
 dev: $(DEV_STAMP)
 
 $(DEV_STAMP): $(STAMP)
-	@tools/system-packages.sh util-linux e2fsprogs systemd
+	@tools/system-packages.sh util-linux e2fsprogs systemd memcached
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) tools/install_torch.py
 	touch $@

@@ -100,6 +100,18 @@ def _parse_metrics_addr(text: str) -> object:
     return parse_metrics_addr(text)
 
 
+def _parse_shared_cache(text: str) -> object:
+    from cachefs.tiers.shared import parse_servers
+
+    return parse_servers(text)
+
+
+def _parse_namespace(text: str) -> object:
+    if not text or len(text) > 100 or any(c.isspace() or not c.isprintable() for c in text):
+        raise ValueError("a name of 1 to 100 printable characters without spaces")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="cachefs", description="A read-only FUSE cache (RAM + NVMe) in front of slow storage.")
     p.add_argument("--version", action="version", version=f"cachefs {__version__}")
@@ -160,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
                          "daemon does it itself (default: one per two cores, 1 to 4)")
     ra.add_argument("--warm", action="store_true",
                     help="load the whole source into the cache in the background, below the job's own reads")
+    sh = m.add_argument_group("a cache tier shared by the nodes of a cluster")
+    sh.add_argument("--shared-cache", type=_checked(_parse_shared_cache, "--shared-cache"),
+                    metavar="memcached://HOST:PORT[,HOST:PORT...]",
+                    help="memcached servers every node reads from after its own RAM and NVMe and before "
+                         "the source, and stores what it reads from the source in (needs pymemcache in "
+                         "cachefs's environment: pip install pymemcache)")
+    sh.add_argument("--shared-namespace", type=_checked(_parse_namespace, "--shared-namespace"), metavar="NAME",
+                    help="names this dataset in the shared tier's keys, alike on every node (default: the "
+                         "source directory's name)")
     run = m.add_argument_group("running")
     run.add_argument("--metrics-addr", type=_checked(_parse_metrics_addr, "--metrics-addr"), metavar="[HOST:]PORT",
                      help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to "
@@ -291,6 +312,18 @@ def format_stats(snap: dict[str, Any]) -> str:
         f"requests   {g(fuse, 'read')} reads, {g(fuse, 'getattr')} getattrs, {g(fuse, 'readdir')} readdirs, "
         f"{g(fuse, 'open')} opens reached the daemon",
     ]
+    shared = snap.get("shared", {})
+    if shared.get("servers"):
+        lines += [
+            "",
+            f"shared     {g(shared, 'hits')} hits ({format_size(g(shared, 'bytes'))}), {g(shared, 'misses')} "
+            f"misses; {g(shared, 'puts')} blocks stored ({format_size(g(shared, 'put_bytes'))}), "
+            f"{g(shared, 'put_dropped')} dropped; {g(shared, 'errors')} errors, "
+            f"{g(shared, 'checksum_failures')} checksum failures",
+        ]
+        for server in shared["servers"]:
+            lines.append(f"  {server['server']:<22}{'up' if server['up'] else 'DOWN':<6}"
+                         f"{server['hits']:>10} hits  {server['hit_share']:>6.1%} of the hits")
     return "\n".join(lines)
 
 
@@ -459,7 +492,7 @@ def _cmd_mount(args: argparse.Namespace) -> int:
         debug_fuse=args.debug_fuse, zero_message_open=not args.open_per_handle, passthrough=args.passthrough,
         readahead=args.readahead, prefetch_workers=args.prefetch_workers, fetch_processes=args.fetch_processes,
         warm=args.warm,
-        metrics_addr=args.metrics_addr,
+        metrics_addr=args.metrics_addr, shared_cache=args.shared_cache, shared_namespace=args.shared_namespace,
         policy=args.policy, max_idle=args.max_idle, min_free=args.min_free,
     )
     return mount(config, check_only=args.check)

@@ -216,6 +216,8 @@ class Config:
     fetch_processes: int | None = None  # None: default_fetch_processes(); 0 = fetch in the daemon
     warm: bool = False
     metrics_addr: str | None = None  # HOST:PORT of the Prometheus endpoint; None = off
+    shared_cache: str | None = None  # memcached://HOST:PORT[,...]; None = no shared tier
+    shared_namespace: str | None = None  # None = the source directory's name
     policy: str = DEFAULT_POLICY  # "keep", "lru", or per tier: "ram=lru,disk=keep"
     max_idle: float = DEFAULT_MAX_IDLE  # seconds; 0 = off
     min_free: int | None = None  # bytes; None = DEFAULT_MIN_FREE_* rule

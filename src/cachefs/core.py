@@ -51,6 +51,7 @@ from cachefs.readahead import DirectoryCursor, SequentialReadahead, StreamTable
 from cachefs.source import Attr, DirEntry, Source
 from cachefs.stats import Stats
 from cachefs.tiers.multilevel import Backing, MultiLevelCache
+from cachefs.tiers.shared import SharedTier
 from cachefs.tiers.store import BlockKey, EntryInfo
 
 log = logging.getLogger(__name__)
@@ -67,8 +68,10 @@ _WAITED = {
     "ram": {"reads.inflight_waits": 1, "ram.hits": 1},
     "disk": {"reads.inflight_waits": 1, "ram.misses": 1, "disk.hits": 1},
     "source": {"reads.inflight_waits": 1, "ram.misses": 1, "disk.misses": 1},
+    "shared": {"reads.inflight_waits": 1, "ram.misses": 1, "disk.misses": 1},
 }
-_WAITED_NO_DISK = dict(_WAITED, source={"reads.inflight_waits": 1, "ram.misses": 1})
+_WAITED_NO_DISK = dict(_WAITED, source={"reads.inflight_waits": 1, "ram.misses": 1},
+                       shared={"reads.inflight_waits": 1, "ram.misses": 1})
 
 
 def _subject(args: tuple) -> str:
@@ -172,6 +175,7 @@ class Core:
         # to the NVMe tier only, where there is one (see open_file); set by cachefs.fs.
         self.passthrough = False
         self.fetchers: Fetchers | None = None  # fetch processes, where there are some (cachefs.fs)
+        self.shared: SharedTier | None = None  # the cluster's memcached tier (--shared-cache)
         self._source_pool = (ThreadPoolExecutor(SOURCE_THREADS, thread_name_prefix="cachefs-source")
                              if source_timeout > 0 else None)
         self._down_since: float | None = None  # when the source stopped answering (monotonic)
@@ -640,15 +644,29 @@ class Core:
         data = self.cache.get_disk(key, promote=to_ram)
         if data is not None:
             return data, "disk"
-        data = self._fetch_source(fid, index)
+        data, where = self._fetch_remote(fid, index)
         self.cache.put(key, data, self.entry_info(fid), to_ram=to_ram)
-        return data, "source"
+        return data, where
 
     def _version_gone(self, fid: FileId) -> None:
         """The source no longer has this version of the file: its cached blocks can never be
         read again (keys include the identity), so every tier evicts them before anything else."""
         for index in range(-(-fid.size // self.block_size)):
             self.cache.mark_stale(block_key(self.namespace, fid, index, self.block_size))
+
+    def _fetch_remote(self, fid: FileId, index: int) -> tuple[bytes, str]:
+        """A block missing from this node: from the shared tier if it has it ("shared"),
+        else from the source ("source"), and then queued for the shared tier."""
+        shared = self.shared
+        if shared is None:
+            return self._fetch_source(fid, index), "source"
+        length = block_extent(index, fid.size, self.block_size)[1]
+        data = shared.get(fid, index, length)
+        if data is not None:
+            return data, "shared"
+        data = self._fetch_source(fid, index)
+        shared.put(fid, index, data, len(data))
+        return data, "source"
 
     def _fetch_source(self, fid: FileId, index: int) -> bytes:
         """One whole block from the source, for a demand miss or a guess."""
@@ -707,7 +725,7 @@ class Core:
 
         def fetch() -> tuple[bytes, str]:
             nonlocal admitted
-            data = self._fetch_source(fid, index)
+            data, where = self._fetch_remote(fid, index)
             # Marked before the block is visible in a tier, so a reader that finds it there
             # counts a use; unmarked if no tier took it (waiters only wake after this).
             with self._ahead_lock:
@@ -719,7 +737,7 @@ class Core:
             if not admitted:
                 with self._ahead_lock:
                     self._ahead.discard(key)
-            return data, "source"
+            return data, where
 
         data, _ = self._run_owned(key, pending, fetch)
         if not admitted:
@@ -755,7 +773,7 @@ class Core:
             data = disk.get(key) if disk is not None else None
             tier = "disk"
             if data is None:
-                data, tier = self._fetch_source(fid, index), "source"
+                data, tier = self._fetch_remote(fid, index)
                 if disk is not None:
                     disk.put(key, data, self.entry_info(fid))  # as the demand miss it stands for
             pinned = ram.put_pinned(key, data, self.entry_info(fid), pin_limit)  # before any waiter wakes
@@ -771,6 +789,13 @@ class Core:
         cachefs/fetcher.py). Returns (outcome, bytes fetched) as prefetch_file does, or None
         if the file is not a regular file of one block (prefetch_file's business)."""
         hit = self._attrs.get(path)
+        if hit is None and self.shared is not None:
+            # the shared tier is asked by identity: a stat first (a request the store
+            # answers from its metadata), then maybe no read at all
+            try:
+                hit = self.getattr(path)
+            except OSError:
+                return "error", 0
         if isinstance(hit, int):
             return "error", 0
         expect = None
@@ -803,6 +828,11 @@ class Core:
         """The fetch of prefetch_small, owning `key` if it is known."""
         disk = self.cache.disk
         assert disk is not None
+        if self.shared is not None and expect is not None:
+            data = self.shared.get(expect, 0, expect.size)
+            attr = self._attrs.get_stale(path)
+            if data is not None and isinstance(attr, Attr):
+                return self._small_fetched(path, key, ("shared", tuple(attr), data), None)
         fetchers = self.fetchers
         if fetchers is None:
             return self._small_fetched(path, key, self._read_small(path, expect), None)
@@ -863,7 +893,8 @@ class Core:
             key = block_key(self.namespace, fid, 0, self.block_size)
         # Counted as a stat (the open and fstat), and a read if it was read: the two
         # requests an NFS client sends (OPEN or GETATTR, then READ).
-        self.stats.add_many({"source.read_range": 1, "source.bytes": attr.size})
+        if kind != "shared":
+            self.stats.add_many({"source.read_range": 1, "source.bytes": attr.size})
         if kind == "exists":
             return "cached" if self.cache.contains(key) else "inflight", 0
         if kind == "unstored":
@@ -872,7 +903,7 @@ class Core:
         with self._ahead_lock:
             self._ahead.add(key)  # before it is visible in a tier (see prefetch_block)
         info = EntryInfo(path, attr, self.block_size)
-        if kind == "read":
+        if kind in ("read", "shared"):
             admitted = disk.put(key, reply[2], info, evict=False)
         else:
             assert room is not None
@@ -884,6 +915,11 @@ class Core:
             self.stats.incr("prefetch.no_room")
             return "no_room", 0
         self.stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": attr.size})
+        if self.shared is not None and kind != "shared":  # what came from the source is shared
+            if kind == "read":
+                self.shared.put(fid, 0, reply[2], attr.size)
+            else:
+                self.shared.put(fid, 0, lambda: disk.peek(key), attr.size)
         return "fetched", attr.size
 
     def prefetch_file(self, path: str, max_blocks: int | None = None) -> tuple[str, int]:
@@ -998,6 +1034,8 @@ class Core:
             self.prefetcher.stop()
         if self.fetchers is not None:
             self.fetchers.close()
+        if self.shared is not None:
+            self.shared.close()  # puts still queued are dropped: only a lost chance to share
         if self._source_pool is not None:
             self._source_pool.shutdown(wait=False, cancel_futures=True)  # a hung request stays hung
         self.cache.close()

@@ -72,7 +72,23 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
         attach(core)  # order hints
         prefetcher.start()
     core.check_acls = config.allow_other  # other users: never more than the source's ACLs grant
+    if config.shared_cache:
+        attach_shared(core, config)
     return core
+
+
+def attach_shared(core, config: Config) -> None:  # type: ignore[no-untyped-def]
+    """The cluster's memcached tier (cachefs/tiers/shared.py), between NVMe and the source."""
+    from cachefs.tiers.shared import SharedTier, parse_servers
+
+    assert config.shared_cache is not None
+    namespace = config.shared_namespace or os.path.basename(config.source.rstrip("/")) or "root"
+    tier = SharedTier(parse_servers(config.shared_cache), namespace, config.block_size, core.stats)
+    for problem in tier.check():
+        log.warning("%s", problem)
+    core.shared = tier
+    core.stats.set_info(shared_cache=config.shared_cache, shared_namespace=namespace)
+    log.info("shared tier: %s, namespace %r", config.shared_cache, namespace)
 
 
 STORE_DIR = "store"  # the NVMe tier under the cache dir; "blocks" held the diskcache format

@@ -45,6 +45,8 @@ COUNTERS: tuple[str, ...] = (
     "disk.suspensions", "disk.suspended_writes",
     "source.served_bytes", "source.bytes", "source.errors", "source.changed", "source.timeouts",
     "source.down_events", "source.fast_failures", "source.partial_reads",
+    "shared.hits", "shared.misses", "shared.bytes", "shared.served_bytes", "shared.puts", "shared.put_bytes",
+    "shared.put_dropped", "shared.errors", "shared.checksum_failures", "shared.down_events",
     *(f"source.{op}" for op in SOURCE_OPS),
     "metadata.hits", "metadata.misses", "metadata.stale_served", "metadata.index_hits", "metadata.index_stale",
     "fuse.errors", *(f"fuse.{op}" for op in FUSE_OPS), *(f"fuse.{op}_us" for op in FUSE_OPS),
@@ -54,13 +56,15 @@ COUNTERS: tuple[str, ...] = (
     "reads.requests", "reads.bytes", "reads.inflight_waits",
     "opens.passthrough", "opens.daemon", "opens.fallback", "opens.filled",
     "hint.sessions_opened", "hint.paths", "hint.from_ram", "hint.from_disk", "hint.from_source", "hint.bytes",
-    "hint.used", "hint.expired", "hint.skipped", "hint.window_full", "hint.errors", "hint.left_on_disk",
+    "hint.from_shared", "hint.used", "hint.expired", "hint.skipped", "hint.window_full", "hint.errors",
+    "hint.left_on_disk",
 )
 GAUGES: tuple[str, ...] = (
     "ram.used_bytes", "ram.capacity_bytes", "ram.entries", "ram.files",
     "disk.used_bytes", "disk.capacity_bytes", "disk.entries", "disk.files", "disk.suspended",
     "source.down", "metadata.entries", "prefetch.queued", "prefetch.unused",
     "hint.sessions", "hint.pinned_bytes", "hint.queued", "opens.backing_files",
+    "shared.servers_down", "shared.pending_bytes", "shared.servers",
 )
 HISTOGRAMS: tuple[str, ...] = tuple(f"source.{op}" for op in SOURCE_OPS)
 
@@ -135,6 +139,7 @@ class Stats:
         self._shards: list[defaultdict[str, int]] = []
         self._local = threading.local()
         self._gauges: dict[str, Callable[[], Any]] = dict.fromkeys(GAUGES, lambda: 0)
+        self._gauges["shared.servers"] = list  # one entry per shared cache server; none without
         self._info: dict[str, Any] = {}
         self._histograms: dict[str, Histogram] = {name: Histogram() for name in HISTOGRAMS}
         self._clock = clock

@@ -132,6 +132,12 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         if not _inside(parent, cache) and not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
             raise CachefsError(f"cannot write the log file {config.log_file!r}: {parent} is not a writable directory")
         config.log_file = log_file
+    if config.shared_cache:
+        try:
+            import pymemcache  # noqa: F401 - only whether it is there
+        except ImportError:
+            raise CachefsError("--shared-cache needs pymemcache in cachefs's environment: "
+                               "pip install pymemcache") from None
     if config.metrics_addr:
         try:
             import prometheus_client  # noqa: F401 - only whether it is there

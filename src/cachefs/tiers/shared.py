@@ -1,0 +1,330 @@
+"""The shared tier: blocks kept on memcached servers that every node of a cluster reads.
+
+Lookup order is RAM, local NVMe, this tier, the source. What a node fetches from the
+source is put here in the background (a bounded queue: the job's reads never wait for a
+put, and a put that does not fit the queue is dropped and counted); what a node gets from
+here is stored locally as any other fill.
+
+Keys are the same on every node for the same version of a file: built from what every
+NFS client sees alike (the path under the source root, the size, the mtime), the block
+size and the index, and a namespace (`--shared-namespace`, by default the name of the
+source directory), hashed: `cfs1:<xxh3-128 hex>:<index>`. Never inode numbers or device ids.
+
+Every item carries its own header: a magic, the identity hash it was stored under, the
+length, the number of parts and an xxh3-64 of the bytes, verified on every get. A
+mismatch is a miss and a counter (`shared.checksum_failures`), never bytes for a reader.
+
+A block bigger than what one memcached item may hold (`item_size_max`, read from each
+server at mount) is split into parts, all on the server its key hashes to (rendezvous
+hashing over the server list). A server that does not answer within `timeout` is marked
+down for `down_for` seconds (one warning); its keys go to the source meanwhile, then the
+next request is the probe that brings it back ("answering again"). A read never fails
+because of this tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import xxhash
+
+from cachefs.blocks import FileId
+from cachefs.stats import Stats
+
+log = logging.getLogger(__name__)
+
+SCHEME = "memcached://"
+KEY_PREFIX = b"cfs1:"
+_MAGIC = b"CFS1"
+# magic, identity (16), length, parts, xxh3-64 of the data
+_HEADER = struct.Struct("<4s16sIHQ")
+ITEM_OVERHEAD = 256  # bytes memcached needs besides the value in an item (key, flags, CAS)
+DEFAULT_ITEM_MAX = 1 << 20
+DEFAULT_TIMEOUT = 0.5  # seconds: a node's NVMe answers in well under this; a live server too
+DEFAULT_DOWN_FOR = 5.0
+DEFAULT_PENDING_BYTES = 64 << 20  # puts waiting for the background thread
+
+
+class Client(Protocol):
+    """What the tier needs of a memcached client (pymemcache's, or a test's)."""
+
+    def get_many(self, keys: list[bytes]) -> dict[bytes, bytes]: ...
+
+    def set_many(self, values: dict[bytes, bytes], expire: int = 0, noreply: bool | None = None) -> list: ...
+
+    def stats(self, *args: str) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+def parse_servers(spec: str) -> list[tuple[str, int]]:
+    """`memcached://HOST:PORT[,HOST:PORT...]` -> [(host, port), ...]; ValueError with the reason."""
+    if not spec.startswith(SCHEME):
+        raise ValueError(f"expected {SCHEME}HOST:PORT[,HOST:PORT...]")
+    servers = []
+    for part in spec[len(SCHEME):].split(","):
+        host, sep, port = part.strip().rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{part.strip()!r} is not HOST:PORT")
+        servers.append((host, int(port)))
+    if len(set(servers)) != len(servers):
+        raise ValueError("a server is named twice")
+    return servers
+
+
+def block_identity(namespace: str, block_size: int, fid: FileId, index: int) -> bytes:
+    """16 bytes naming a block of a file version, alike on every node: the path under the
+    source root, the size and the mtime (what every NFS client sees alike), never inode
+    numbers or device ids."""
+    text = "\0".join((namespace, fid.path, str(fid.size), str(fid.mtime_ns), str(block_size), str(index)))
+    return xxhash.xxh3_128_digest(text.encode("utf-8", "surrogateescape"))
+
+
+def item_key(namespace: str, block_size: int, fid: FileId, index: int) -> bytes:
+    """The memcached key of a block: `cfs1:<identity hex>:<index>`."""
+    return KEY_PREFIX + block_identity(namespace, block_size, fid, index).hex().encode() + b":" + str(index).encode()
+
+
+def pymemcache_client(address: tuple[str, int], timeout: float) -> Client:
+    from pymemcache.client.base import PooledClient
+
+    return PooledClient(address, connect_timeout=timeout, timeout=timeout, no_delay=True, max_pool_size=32)
+
+
+class _Server:
+    __slots__ = ("address", "client", "down_until", "hits", "item_max", "misses", "name", "warned")
+
+    def __init__(self, address: tuple[str, int], client: Client):
+        self.address = address
+        self.name = f"{address[0]}:{address[1]}"
+        self.client = client
+        self.down_until = 0.0
+        self.item_max = DEFAULT_ITEM_MAX
+        self.hits = 0
+        self.misses = 0
+        self.warned = False
+
+
+class SharedTier:
+    def __init__(self, servers: list[tuple[str, int]], namespace: str, block_size: int, stats: Stats,
+                 timeout: float = DEFAULT_TIMEOUT, down_for: float = DEFAULT_DOWN_FOR,
+                 connect: Callable[[tuple[str, int], float], Client] = pymemcache_client,
+                 pending_bytes: int = DEFAULT_PENDING_BYTES, clock: Callable[[], float] = time.monotonic):
+        if not servers:
+            raise ValueError("no servers")
+        self.namespace = namespace
+        self.block_size = block_size
+        self.stats = stats
+        self.timeout = timeout
+        self.down_for = down_for
+        self._clock = clock
+        self._servers = [_Server(a, connect(a, timeout)) for a in servers]
+        self._weights = [xxhash.xxh64_intdigest(s.name.encode()) for s in self._servers]
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[FileId, int, bytes | Callable[[], bytes | None], int] | None] = \
+            queue.SimpleQueue()
+        self._pending = 0
+        self._pending_max = pending_bytes
+        self._closed = False
+        self._putter = threading.Thread(target=self._put_loop, name="cachefs-shared-put", daemon=True)
+        self._putter.start()
+        stats.gauge("shared.servers_down", self.servers_down)
+        stats.gauge("shared.pending_bytes", lambda: self._pending)
+        stats.gauge("shared.servers", self.servers)
+
+    # -- at mount --------------------------------------------------------------------------
+
+    def check(self) -> list[str]:
+        """Ask every server for its item size limit; return one line per server that did
+        not answer (marked down, tried again later). Blocks are split to fit each limit."""
+        problems = []
+        for s in self._servers:
+            try:
+                settings = s.client.stats("settings")
+                s.item_max = int(settings.get(b"item_size_max", settings.get("item_size_max", DEFAULT_ITEM_MAX)))
+            except Exception as exc:
+                self._failed(s, exc)
+                problems.append(f"shared cache server {s.name} does not answer ({exc}); its blocks come from "
+                                "the source until it does")
+        return problems
+
+    # -- keys and items --------------------------------------------------------------------
+
+    def identity(self, fid: FileId, index: int) -> bytes:
+        return block_identity(self.namespace, self.block_size, fid, index)
+
+    def key(self, fid: FileId, index: int) -> bytes:
+        return item_key(self.namespace, self.block_size, fid, index)
+
+    def server_for(self, key: bytes) -> _Server:
+        """Rendezvous hashing: the server whose hash with the key is highest. Adding or
+        removing a server moves only the keys that were (or become) its own."""
+        h = xxhash.xxh64_intdigest(key)
+        best = max(range(len(self._servers)), key=lambda i: xxhash.xxh64_intdigest(h.to_bytes(8, "little"),
+                                                                                     seed=self._weights[i]))
+        return self._servers[best]
+
+    def _parts(self, ident: bytes, data: bytes, item_max: int) -> list[bytes]:
+        room = max(4096, item_max - ITEM_OVERHEAD)
+        first = room - _HEADER.size
+        rest = data[first:]
+        n = 1 + (len(rest) + room - 1) // room
+        header = _HEADER.pack(_MAGIC, ident, len(data), n, xxhash.xxh3_64_intdigest(data))
+        return [header + data[:first]] + [rest[i:i + room] for i in range(0, len(rest), room)]
+
+    # -- get -------------------------------------------------------------------------------
+
+    def get(self, fid: FileId, index: int, length: int) -> bytes | None:
+        """The block, verified, or None (a miss: not there, damaged, or the server down)."""
+        key = self.key(fid, index)
+        server = self.server_for(key)
+        if not self._usable(server):
+            self.stats.incr("shared.misses")
+            return None
+        try:
+            first = server.client.get_many([key]).get(key)
+            data = None if first is None else self._assemble(server, key, first, self.identity(fid, index), length)
+        except Exception as exc:
+            self._failed(server, exc)
+            self.stats.add_many({"shared.errors": 1, "shared.misses": 1})
+            return None
+        self._answered(server)
+        if data is None:
+            server.misses += 1
+            self.stats.incr("shared.misses")
+            return None
+        server.hits += 1
+        self.stats.add_many({"shared.hits": 1, "shared.bytes": len(data)})
+        return data
+
+    def _assemble(self, server: _Server, key: bytes, first: bytes, ident: bytes, length: int) -> bytes | None:
+        if len(first) < _HEADER.size:
+            self.stats.incr("shared.checksum_failures")
+            return None
+        magic, stored_ident, size, n, digest = _HEADER.unpack_from(first)
+        if magic != _MAGIC or stored_ident != ident or size != length or n < 1:
+            self.stats.incr("shared.checksum_failures")
+            return None
+        chunks = [first[_HEADER.size:]]
+        if n > 1:
+            keys = [key + b"/" + str(i).encode() for i in range(1, n)]
+            got = server.client.get_many(keys)
+            if len(got) != len(keys):
+                return None  # a part was evicted: a plain miss
+            chunks += [got[k] for k in keys]
+        data = b"".join(chunks)
+        if len(data) != size or xxhash.xxh3_64_intdigest(data) != digest:
+            self.stats.incr("shared.checksum_failures")
+            return None
+        return data
+
+    # -- put -------------------------------------------------------------------------------
+
+    def put(self, fid: FileId, index: int, data: bytes | Callable[[], bytes | None], size: int) -> bool:
+        """Queue a block for the shared tier (or a callable that reads it when its turn
+        comes); False, counted, if the queue is full: the job's reads never wait on it."""
+        with self._lock:
+            if self._closed or self._pending + size > self._pending_max:
+                self.stats.incr("shared.put_dropped")
+                return False
+            self._pending += size
+        self._queue.put((fid, index, data, size))
+        return True
+
+    def _put_loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fid, index, data, size = item
+            try:
+                value = data() if callable(data) else data
+                if value is not None:
+                    self._store(fid, index, value)
+            except Exception as exc:  # a failed put is only a lost chance to share
+                log.debug("shared put of %s block %d failed: %s", fid.path, index, exc)
+            finally:
+                with self._lock:
+                    self._pending -= size
+
+    def _store(self, fid: FileId, index: int, data: bytes) -> None:
+        key = self.key(fid, index)
+        server = self.server_for(key)
+        if not self._usable(server):
+            return
+        parts = self._parts(self.identity(fid, index), data, server.item_max)
+        values = {key: parts[0]}
+        values.update({key + b"/" + str(i).encode(): part for i, part in enumerate(parts[1:], 1)})
+        try:
+            failed = server.client.set_many(values, noreply=False)
+        except Exception as exc:
+            self._failed(server, exc)
+            self.stats.incr("shared.errors")
+            return
+        self._answered(server)
+        if failed:
+            self.stats.incr("shared.errors")
+            return
+        self.stats.add_many({"shared.puts": 1, "shared.put_bytes": len(data)})
+
+    # -- servers up and down ---------------------------------------------------------------
+
+    def _usable(self, server: _Server) -> bool:
+        """Up, or down long enough that this request may be the probe."""
+        if not server.down_until:
+            return True
+        now = self._clock()
+        with self._lock:
+            if now < server.down_until:
+                return False
+            server.down_until = now + self.down_for  # one probe at a time
+            return True
+
+    def _failed(self, server: _Server, exc: BaseException) -> None:
+        with self._lock:
+            was_up = not server.down_until
+            server.down_until = self._clock() + self.down_for
+        if was_up:
+            self.stats.incr("shared.down_events")
+            log.warning("shared cache server %s does not answer (%s); its blocks come from the source, "
+                        "trying it again every %gs", server.name, exc, self.down_for)
+
+    def _answered(self, server: _Server) -> None:
+        if server.down_until:
+            with self._lock:
+                server.down_until = 0.0
+            log.warning("shared cache server %s answering again", server.name)
+
+    def servers_down(self) -> int:
+        return sum(1 for s in self._servers if s.down_until)
+
+    def servers(self) -> list[dict[str, Any]]:
+        """One line per server for `cachefs stats`: up or down, and its share of the hits."""
+        total = sum(s.hits for s in self._servers) or 1
+        return [{"server": s.name, "up": not s.down_until, "hits": s.hits, "misses": s.misses,
+                 "hit_share": round(s.hits / total, 4), "item_size_max": s.item_max} for s in self._servers]
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until the queued puts are done (warming, tests)."""
+        deadline = time.monotonic() + timeout
+        while self._pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._pending
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._queue.put(None)
+        self._putter.join(timeout=5)
+        for s in self._servers:
+            try:
+                s.client.close()
+            except Exception:
+                pass
