@@ -167,3 +167,10 @@ def test_a_daemon_that_died_silently_is_reported_with_its_last_logged_error(tmp_
     assert _last_error_line(str(log), start) == "MemoryError: out of memory"
     assert _last_error_line(str(tmp_path / "missing.log"), 0) == ""
     assert _last_error_line(str(log), log.stat().st_size) == ""  # nothing new: no stale reason
+
+
+def test_warm_shard_must_be_rank_of_world(capsys):
+    for bad in ("2/2", "x/3", "1", "-1/4"):
+        with pytest.raises(SystemExit) as info:
+            main(["warm", "/x", f"--shard={bad}"])
+        assert info.value.code == 2 and "invalid --shard" in capsys.readouterr().err

@@ -112,6 +112,13 @@ def _parse_namespace(text: str) -> object:
     return text
 
 
+def _parse_shard(text: str) -> tuple[int, int]:
+    rank, sep, world = text.partition("/")
+    if not sep or not rank.isdigit() or not world.isdigit() or not 0 <= int(rank) < int(world):
+        raise ValueError("RANK/WORLD with 0 <= RANK < WORLD, e.g. 3/8")
+    return int(rank), int(world)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="cachefs", description="A read-only FUSE cache (RAM + NVMe) in front of slow storage.")
     p.add_argument("--version", action="version", version=f"cachefs {__version__}")
@@ -225,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "store's order, in parallel, below any training reads. Safe while training "
                                    "runs; run it again to resume. Ctrl-C stops it.")
     w.add_argument("paths", nargs="+", metavar="PATH")
+    w.add_argument("--shard", type=_checked(_parse_shard, "--shard"), metavar="RANK/WORLD",
+                   help="warm only this node's share of the files (RANK from 0 to WORLD-1): with "
+                        "--shared-cache, WORLD nodes each warming their RANK fill the shared tier for all")
     w.add_argument("--json", action="store_true", help="print the final report as JSON")
 
     d = sub.add_parser("diagnose", help="is a training input pipeline storage-bound, CPU-bound, or fine?",
@@ -521,12 +531,16 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         targets.setdefault(mp, []).append(rel)
     code = 0
     for mp, rels in targets.items():
-        final = _follow_request(mp, {"op": "warm", "paths": rels}, f"warm of {mp}", _progress_line)
+        req: dict[str, Any] = {"op": "warm", "paths": rels}
+        if args.shard:
+            req["shard"] = list(_parse_shard(args.shard))
+        final = _follow_request(mp, req, f"warm of {mp}", _progress_line)
         if args.json:
             print(json.dumps(final))
         else:
             not_fit = final["files_total"] - final["files_done"] + final["files_no_room"]
-            print(f"cachefs: warmed {mp} {' '.join(rels)} in {final['elapsed_s']:.1f}s: "
+            share = f" (shard {args.shard})" if args.shard else ""
+            print(f"cachefs: warmed {mp} {' '.join(rels)}{share} in {final['elapsed_s']:.1f}s: "
                   f"{final['files_loaded']} files loaded ({format_size(final['bytes_loaded'])}), "
                   f"{final['files_cached']} already cached, {not_fit} did not fit, {final['files_failed']} failed")
         if final.get("state") == "no_room":

@@ -115,9 +115,12 @@ def control_handlers(core) -> dict:  # type: ignore[no-untyped-def]
         paths = [str(p) for p in request["paths"]]
         from cachefs import warm as warming
 
-        job = warming.start(core, paths)
+        shard = request.get("shard")
+        job = warming.start(core, paths, (int(shard[0]), int(shard[1])) if shard else None)
         try:
             follow(job.progress, lambda: job.done, send, float(request.get("interval", 0.5)))
+            if core.shared is not None:  # done means the other nodes can read it
+                follow(job.progress, lambda: core.shared.drain(0.0), send, float(request.get("interval", 0.5)))
             result = job.progress()
         finally:
             warming.finish(core, job)  # a client that went away (Ctrl-C) stops its warm

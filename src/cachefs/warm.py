@@ -7,6 +7,11 @@ pool's workers fetch consecutive files in parallel. Blocks already cached are sk
 without touching the source, which makes a warm resumable: run it again and it loads
 what is missing. It never evicts: once no tier has room it stops and reports what did
 not fit.
+
+With a shard (`cachefs warm PATH --shard RANK/WORLD`) a job warms only the files whose
+path hashes to RANK of WORLD: N nodes each warm their share of a dataset into the shared
+tier (`--shared-cache`), which then holds the whole of it for every node. The hash is of
+the path under the source root, so every node splits the dataset alike.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import xxhash
+
 from cachefs.readahead import DirectoryCursor
 
 if TYPE_CHECKING:
@@ -25,9 +32,11 @@ if TYPE_CHECKING:
 
 
 class WarmJob:
-    def __init__(self, core: Core, roots: list[str], clock: Callable[[], float] = time.monotonic):
+    def __init__(self, core: Core, roots: list[str], clock: Callable[[], float] = time.monotonic,
+                 shard: tuple[int, int] | None = None):
         self._core = core
         self.roots = roots
+        self.shard = shard
         self._clock = clock
         self._lock = threading.Lock()
         self._stack: list[DirectoryCursor] = []
@@ -53,13 +62,13 @@ class WarmJob:
             try:
                 attr = self._core.getattr(path)
                 if not attr.is_dir:
-                    total += 1 if attr.is_file else 0
+                    total += 1 if attr.is_file and self.mine(path) else 0
                     continue
                 for e in self._core.readdir(path):
                     child = path.rstrip("/") + "/" + e.name
                     if stat_mod.S_ISDIR(e.type_mode):
                         todo.append(child)
-                    elif stat_mod.S_ISREG(e.type_mode):
+                    elif stat_mod.S_ISREG(e.type_mode) and self.mine(child):
                         total += 1
             except OSError:
                 continue
@@ -111,9 +120,16 @@ class WarmJob:
             with self._lock:
                 self._stack.append(cursor)
             return None
-        if not attr.is_file:
+        if not attr.is_file or not self.mine(path):
             return None
         return functools.partial(self._warm_file, path, attr.size)
+
+    def mine(self, path: str) -> bool:
+        """Whether this job's shard holds the file (always, without a shard)."""
+        if self.shard is None:
+            return True
+        rank, world = self.shard
+        return xxhash.xxh64_intdigest(path.encode("utf-8", "surrogateescape")) % world == rank
 
     def _warm_file(self, path: str, size: int) -> None:
         try:
@@ -161,18 +177,21 @@ class WarmJob:
         out.update(state="no_room" if self.no_room and done else "cancelled" if self.cancelled and done
                    else "done" if done else "running",
                    elapsed_s=round(elapsed, 3), roots=self.roots)
+        if self.shard is not None:
+            out["shard"] = list(self.shard)
         return out
 
 
-def start(core: Core, paths: list[str]) -> WarmJob:
-    """Begin warming `paths` (files or directories) in the background."""
+def start(core: Core, paths: list[str], shard: tuple[int, int] | None = None) -> WarmJob:
+    """Begin warming `paths` (files or directories) in the background; only the files of
+    `shard` (rank, world) if given."""
     from cachefs.prefetch import WARM
 
     if core.prefetcher is None:
         raise RuntimeError("warming needs the prefetch pool (--prefetch-workers > 0)")
     for path in paths:
         core.getattr(path)  # ENOENT now, not halfway
-    job = WarmJob(core, paths)
+    job = WarmJob(core, paths, shard=shard)
     core.prefetcher.add_feeder(WARM, job)
     return job
 

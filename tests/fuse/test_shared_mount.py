@@ -146,3 +146,22 @@ def test_a_stopped_server_and_a_corrupted_item(tmp_path, mounts, servers, fault_
                  f"all {len(files)} files exact, 0 errors, {took:.1f} s for the epoch",
                  f"shared.errors={s['shared']['errors']}, checksum_failures={s['shared']['checksum_failures']}, "
                  f"servers_down={s['shared']['servers_down']}")
+
+
+def test_nodes_warm_their_shards_and_a_third_node_reads_nothing_from_the_source(tmp_path, mounts, servers):
+    from tests.helpers import cli
+
+    src = tmp_path / "src"
+    files = make_tree(src)
+    shards = []
+    for rank in range(2):
+        mp = node(mounts, tmp_path, src, f"n{rank}", servers)
+        proc = cli("warm", mp, "--shard", f"{rank}/2", "--json", timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        report = __import__("json").loads(proc.stdout)
+        shards.append(report["files_loaded"])
+        assert stats(mp)["shared"]["pending_bytes"] == 0  # warm returns once the cluster can read it
+    assert sum(shards) == len(files) and all(n > 0 for n in shards), shards
+    c = node(mounts, tmp_path, src, "c", servers)
+    read_all(c, files)
+    assert stats(c)["source"]["read_range"] == 0
