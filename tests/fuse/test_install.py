@@ -389,3 +389,35 @@ def test_a_failing_demo_keeps_its_work_dir_and_shows_the_log(tmp_path):
     assert proc.returncode == 1
     assert "the last lines of the slowfs log" in proc.stderr and "invalid --latency 'soon'" in proc.stderr
     assert f"kept the work dir for a look: {work}" in proc.stderr and (work / "dataset").is_dir()
+
+
+@pytest.mark.skipif(not shutil.which("systemd-analyze") or not shutil.which("memcached"),
+                    reason="needs systemd-analyze and memcached")
+def test_the_shared_cache_server_unit_verifies_and_its_command_runs(tmp_path):
+    import re
+
+    from tools.memcached import MemcachedServers
+
+    unit = tmp_path / "cachefs-memcached.service"
+    shutil.copy(os.path.join(os.path.dirname(UNIT), "cachefs-memcached.service"), unit)
+    proc = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 0 and "cachefs-memcached" not in proc.stderr, proc.stderr
+    # the unit's options, as docs/admin.md gives them, start a real server (on loopback here)
+    text = unit.read_text().replace("\\\n", " ")
+    line = re.search(r"ExecStart=(.*)", text).group(1).split()
+    assert line[0] == "/usr/bin/memcached" and "-I" in line and line[line.index("-I") + 1] == "2m"
+    opts = line[line.index("-o") + 1].replace("/nvme/memcached/extstore:400G", f"{tmp_path}/ext:64m")
+    with MemcachedServers(1, str(tmp_path)) as servers:
+        port = servers.ports[0]
+    cmd = ["memcached", "-l", "127.0.0.1", "-p", str(port), "-U", "0", "-m", "64", "-I", "2m", "-o", opts]
+    if os.geteuid() == 0:
+        cmd[1:1] = ["-u", "root"]
+    server = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    try:
+        import time
+
+        time.sleep(0.5)
+        assert server.poll() is None, server.stderr.read()
+    finally:
+        server.kill()
+        server.wait()
