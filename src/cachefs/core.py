@@ -61,6 +61,8 @@ _ANSWERS = {errno.ENODATA, errno.ENOTSUP, errno.EINVAL}
 # timeout, a dead FUSE server); anything else is an answer about one file.
 _SOURCE_DOWN = {errno.ETIMEDOUT, errno.ENOTCONN}
 
+SHARED_PUT_WAIT = 30.0  # seconds read-ahead waits for room in the shared tier's put queue
+
 
 # The hit and miss counters a read that waited for another thread's fetch adds, by the
 # tier that fetch found the block in ("ram": it landed in RAM meanwhile).
@@ -665,8 +667,15 @@ class Core:
         if data is not None:
             return data, "shared"
         data = self._fetch_source(fid, index)
-        shared.put(fid, index, data, len(data))
+        shared.put(fid, index, data, len(data), wait=self._put_wait())
         return data, "source"
+
+    @staticmethod
+    def _put_wait() -> float:
+        """How long a put to the shared tier may wait for room in its queue: read-ahead and
+        warming (the prefetch pool's threads) wait, so that what they fetch is shared; a
+        reader's own miss never does."""
+        return SHARED_PUT_WAIT if threading.current_thread().name.startswith(PREFETCH_THREAD) else 0.0
 
     def _fetch_source(self, fid: FileId, index: int) -> bytes:
         """One whole block from the source, for a demand miss or a guess."""
@@ -917,9 +926,9 @@ class Core:
         self.stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": attr.size})
         if self.shared is not None and kind != "shared":  # what came from the source is shared
             if kind == "read":
-                self.shared.put(fid, 0, reply[2], attr.size)
+                self.shared.put(fid, 0, reply[2], attr.size, wait=self._put_wait())
             else:
-                self.shared.put(fid, 0, lambda: disk.peek(key), attr.size)
+                self.shared.put(fid, 0, lambda: disk.peek(key), attr.size, wait=self._put_wait())
         return "fetched", attr.size
 
     def prefetch_file(self, path: str, max_blocks: int | None = None) -> tuple[str, int]:

@@ -128,6 +128,7 @@ class SharedTier:
         self._servers = [_Server(a, connect(a, timeout)) for a in servers]
         self._weights = [xxhash.xxh64_intdigest(s.name.encode()) for s in self._servers]
         self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)  # the put queue has room again
         self._queue: queue.SimpleQueue[tuple[FileId, int, bytes | Callable[[], bytes | None], int] | None] = \
             queue.SimpleQueue()
         self._pending = 0
@@ -227,10 +228,15 @@ class SharedTier:
 
     # -- put -------------------------------------------------------------------------------
 
-    def put(self, fid: FileId, index: int, data: bytes | Callable[[], bytes | None], size: int) -> bool:
+    def put(self, fid: FileId, index: int, data: bytes | Callable[[], bytes | None], size: int,
+            wait: float = 0.0) -> bool:
         """Queue a block for the shared tier (or a callable that reads it when its turn
-        comes); False, counted, if the queue is full: the job's reads never wait on it."""
-        with self._lock:
+        comes). If the queue is full, wait up to `wait` seconds for room (read-ahead and
+        warming may: they are background work), then give up: False, counted. The job's
+        own reads pass no wait: they never wait on the cluster."""
+        with self._room:
+            if wait > 0:
+                self._room.wait_for(lambda: self._closed or self._pending + size <= self._pending_max, wait)
             if self._closed or self._pending + size > self._pending_max:
                 self.stats.incr("shared.put_dropped")
                 return False
@@ -251,8 +257,9 @@ class SharedTier:
             except Exception as exc:  # a failed put is only a lost chance to share
                 log.debug("shared put of %s block %d failed: %s", fid.path, index, exc)
             finally:
-                with self._lock:
+                with self._room:
                     self._pending -= size
+                    self._room.notify_all()
 
     def _store(self, fid: FileId, index: int, data: bytes) -> None:
         key = self.key(fid, index)
@@ -319,8 +326,9 @@ class SharedTier:
         return not self._pending
 
     def close(self) -> None:
-        with self._lock:
+        with self._room:
             self._closed = True
+            self._room.notify_all()
         self._queue.put(None)
         self._putter.join(timeout=5)
         for s in self._servers:
