@@ -133,3 +133,20 @@ def test_the_budget_holds_with_fetches_in_flight(tmp_path):
     finally:
         core.fetchers.close()
         core.close()
+
+
+def test_a_batch_is_one_request_with_a_reply_per_file(pool):
+    src, data_dir, fetchers = pool
+    for i in range(5):
+        (src / f"f{i}").write_bytes(bytes([i]) * (100 + i))
+    (src / "big").write_bytes(b"x" * (BS + 1))
+    reqs = []
+    for name in ("f0", "f1", "f2", "f3", "f4", "big", "missing"):
+        st = os.stat(src / name) if (src / name).exists() else None
+        reqs.append((f"/{name}", BS, FileId(f"/{name}", st.st_size, st.st_mtime_ns, st.st_ctime_ns) if st else None))
+    kind, replies, counts = fetchers.fill_many(reqs, 5)
+    assert kind == "many" and counts == {}
+    assert [r[0] for r in replies] == ["stored"] * 5 + ["large", "error"]
+    for i in range(5):
+        name = entry_id(NS, FileId(f"/f{i}", *reqs[i][2][1:]), BS).hex()
+        assert (data_dir / name[:2] / name).read_bytes() == bytes([i]) * (100 + i)

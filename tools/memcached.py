@@ -16,7 +16,7 @@ import socket
 import subprocess
 import time
 
-MEMORY_MB = 64  # RAM for the hash table and the write buffers
+MEMORY_MB = 256  # RAM for the hash table, and room for writes until extstore has flushed them
 EXTSTORE_MB = 1024  # extstore file per server
 ITEM_MAX = "2m"  # a 1 MiB block and its header in one item
 
@@ -35,7 +35,8 @@ def command(port: int, ext_path: str, memory_mb: int = MEMORY_MB, ext_mb: int = 
     """The command line of one cache server (docs/admin.md explains each option)."""
     cmd = ["memcached", "-l", "127.0.0.1", "-p", str(port), "-U", "0", "-m", str(memory_mb), "-I", ITEM_MAX,
            "-c", "1024", "-t", "2",
-           "-o", f"ext_path={ext_path}:{ext_mb}m,ext_wbuf_size=8,ext_threads=1,ext_item_size=512"]
+           "-o", f"ext_path={ext_path}:{ext_mb}m,ext_wbuf_size=8,ext_threads=2,ext_item_size=512,"
+                 "ext_item_age=0,ext_max_sleep=1000"]
     if os.geteuid() == 0:
         cmd[1:1] = ["-u", "root"]
     return cmd

@@ -61,6 +61,7 @@ _ANSWERS = {errno.ENODATA, errno.ENOTSUP, errno.EINVAL}
 # timeout, a dead FUSE server); anything else is an answer about one file.
 _SOURCE_DOWN = {errno.ETIMEDOUT, errno.ENOTCONN}
 
+DIR_BATCH = 16  # sibling files per fetch process request in directory read-ahead (shared tier)
 SHARED_PUT_WAIT = 30.0  # seconds read-ahead waits for room in the shared tier's put queue
 
 
@@ -833,6 +834,66 @@ class Core:
             return outcome
         return self._fetch_small(path, None, None)
 
+    def prefetch_small_batch(self, paths: list[str]) -> list[tuple[str, int] | None]:
+        """prefetch_small for several files of one directory at once, through one request
+        to a fetch process (which asks the shared tier for all of them in one request per
+        server): the daemon's cost per file is its bookkeeping, not a round trip each.
+        Files whose attributes are not known yet, or that are not one block, go one by one."""
+        disk, fetchers = self.cache.disk, self.fetchers
+        if disk is None or fetchers is None:
+            return [self.prefetch_small(p) for p in paths]
+        out: list[tuple[str, int] | None] = [None] * len(paths)
+        batch: list[tuple[int, FileId, BlockKey, Future]] = []
+        for i, path in enumerate(paths):
+            hit = self._attrs.get(path)
+            if not isinstance(hit, Attr) or not hit.is_file or not 0 < hit.size <= self.block_size:
+                out[i] = self.prefetch_small(path)
+                continue
+            expect = FileId(path, hit.size, hit.mtime_ns, hit.ctime_ns)
+            key = block_key(self.namespace, expect, 0, self.block_size)
+            if self.cache.contains(key):
+                self.cache.verify(key[0])
+                out[i] = ("cached", 0)
+                continue
+            if not disk.reserve(hit.size):
+                self.stats.incr("prefetch.no_room")
+                out[i] = ("no_room", 0)
+                break
+            pending, owner = self._claim(key)
+            if not owner:
+                disk.unreserve(hit.size)
+                out[i] = ("inflight", 0)
+                continue
+            batch.append((i, expect, key, pending))
+        if not batch:
+            return out
+        rooms = [[fid.size] for _, fid, _, _ in batch]
+        try:
+            try:
+                reply = self._source_call("stat", fetchers.fill_many, [(fid.path, self.block_size, fid)
+                                                                        for _, fid, _, _ in batch],
+                                          self.source_timeout or None)
+                replies = reply[1]
+                if reply[2]:
+                    self.stats.add_many(reply[2])  # what the fetch process counted of the shared tier
+            except FetchUnavailable:
+                replies = [self._read_small(fid.path, fid) for _, fid, _, _ in batch]
+            except OSError:
+                replies = [("error",)] * len(batch)
+            for (i, fid, key, _), r, room in zip(batch, replies, rooms, strict=True):
+                if r[0] in ("stored", "exists", "unstored") and r[1] is None:  # from the shared tier
+                    known = self._attrs.get_stale(fid.path)
+                    r = (r[0], tuple(known), *r[2:]) if isinstance(known, Attr) else ("error",)
+                out[i] = self._small_fetched(fid.path, key, r, room)
+        finally:
+            for (_, _fid, key, pending), room in zip(batch, rooms, strict=True):
+                if room[0]:
+                    disk.unreserve(room[0])
+                with self._inflight_lock:
+                    del self._inflight[key]
+                pending.set_result((b"", "source"))
+        return out
+
     def _fetch_small(self, path: str, expect: FileId | None, key: BlockKey | None) -> tuple[str, int] | None:
         """The fetch of prefetch_small, owning `key` if it is known."""
         disk = self.cache.disk
@@ -902,7 +963,8 @@ class Core:
             key = block_key(self.namespace, fid, 0, self.block_size)
         # Counted as a stat (the open and fstat), and a read if it was read: the two
         # requests an NFS client sends (OPEN or GETATTR, then READ).
-        if kind != "shared":
+        from_shared = kind == "shared" or reply[-1] == "shared"
+        if not from_shared:
             self.stats.add_many({"source.read_range": 1, "source.bytes": attr.size})
         if kind == "exists":
             return "cached" if self.cache.contains(key) else "inflight", 0
@@ -924,7 +986,8 @@ class Core:
             self.stats.incr("prefetch.no_room")
             return "no_room", 0
         self.stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": attr.size})
-        if self.shared is not None and kind != "shared":  # what came from the source is shared
+        if self.shared is not None and not from_shared and not (self.fetchers and self.fetchers.shared):
+            # what came from the source is shared (a fetch process with a shared tier did it)
             if kind == "read":
                 self.shared.put(fid, 0, reply[2], attr.size, wait=self._put_wait())
             else:
@@ -1106,7 +1169,18 @@ class DirReadahead:
                         del self._active[directory]
                         continue
                     path = directory.rstrip("/") + "/" + name
-                    return path, functools.partial(self._fetch, path)
+                    fetchers = self._core.fetchers
+                    if not (self._core.fills_to_disk and fetchers is not None and fetchers.shared):
+                        return path, functools.partial(self._fetch, path)
+                    # With a shared tier: a batch of siblings for one fetch process request
+                    # (prefetch_small_batch), one shared-tier round trip for all of them.
+                    # Not without: from the source a batch is as slow as its slowest file, and
+                    # a reader waiting for one file waits for it (cold epoch 1,537 -> 1,359
+                    # files/s with batches of 16, for 0.12 ms less CPU per file).
+                    paths = [path]
+                    while len(paths) < DIR_BATCH and (name := cursor.next()) is not None:
+                        paths.append(directory.rstrip("/") + "/" + name)
+                    return path, functools.partial(self._fetch_batch, paths)
                 if not self._pending:
                     return None
                 directory = min(self._pending)
@@ -1120,6 +1194,14 @@ class DirReadahead:
                 cursor.skip(name)
             with self._lock:
                 self._active[directory] = cursor
+
+    def _fetch_batch(self, paths: list[str]) -> None:
+        core = self._core
+        for path, small in zip(paths, core.prefetch_small_batch(paths), strict=True):
+            outcome, _ = small if small is not None else core.prefetch_file(path, self._max_file_blocks)
+            if outcome == "no_room":
+                self.full = True
+                return
 
     def _fetch(self, path: str) -> None:
         core = self._core

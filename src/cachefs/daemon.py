@@ -256,8 +256,10 @@ def start_fetchers(core, config: Config) -> None:  # type: ignore[no-untyped-def
     channels = core.prefetcher.workers + 4
     source = core.source
     root_fd = source.root_fd() if isinstance(source, LocalSource) else -1
+    shared = core.shared
     core.fetchers = Fetchers(source.root, core.cache.disk.data_dir, core.namespace, core.block_size, n,
-                             channels, root_fd)
+                             channels, root_fd, config.shared_cache if shared is not None else None,
+                             shared.namespace if shared is not None else "")
     log.info("fetch processes: %d (%d channels)", n, channels)
 
 

@@ -15,11 +15,18 @@ tuple each way):
 
     request   (path, limit, expect)       expect: (size, mtime_ns, ctime_ns) or None
     reply     ("stored", attr, hash)       written to the entry's file (created, O_EXCL)
+              ("stored", None, hash, "shared")   the same, from the shared tier (attr: the
+                                                 daemon's, the file was not visited)
               ("exists", attr)             that file already exists: someone else has it
               ("large", attr)              larger than `limit`: nothing read
               ("changed",)                 not the expected version, or changed while read
               ("error", errno, message)    the source refused
               ("unstored", attr, errno, message)   read, but the cache write failed
+
+A batch, ("many", [request, ...]), gets ("many", [reply, ...], counts): with a shared tier
+(--shared-cache) the worker asks it for every expected file in one request per server,
+reads the rest from the source, stores those in the shared tier in one request per
+server, and `counts` are the shared.* counters it added, for the daemon's stats.
 
 A worker runs one thread per channel; it exits when the daemon closes its end (or dies:
 PR_SET_PDEATHSIG).
@@ -40,15 +47,18 @@ import struct
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 from cachefs.blocks import FileId, entry_id
 from cachefs.errors import SourceChanged
 from cachefs.source import Attr, LocalSource
+from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
 PR_SET_PDEATHSIG = 1
+BATCH_THREADS = 8  # source visits of one batch in parallel
 
 
 def _send(sock: socket.socket, obj: tuple) -> None:  # type: ignore[type-arg]
@@ -83,29 +93,76 @@ def _recv(sock: socket.socket) -> object:
 # -- the worker ----------------------------------------------------------------------------
 
 class _Worker:
-    def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int, root_fd: int = -1):
+    def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int, root_fd: int = -1,
+                 shared: str | None = None, shared_namespace: str | None = None):
         self.source = LocalSource(root, root_fd)
         self.data_dir = data_dir
         self.namespace = namespace
         self.block_size = block_size
+        self.stats = Stats()
+        self._pool = ThreadPoolExecutor(BATCH_THREADS, thread_name_prefix="cachefs-fetch")
+        self.shared = None
+        if shared:
+            from cachefs.tiers.shared import SharedTier, parse_servers
+
+            self.shared = SharedTier(parse_servers(shared), shared_namespace or "", block_size, self.stats)
+            self.shared.check()
 
     def fill(self, path: str, limit: int, expect: tuple[int, int, int] | None) -> tuple:  # type: ignore[type-arg]
+        return self._fill(path, limit, expect)[0]
+
+    def _fill(self, path: str, limit: int, expect: tuple[int, int, int] | None) -> tuple:  # type: ignore[type-arg]
+        """(reply, the bytes read or None)."""
         try:
             attr, data = self.source.read_whole(path, limit, FileId(path, *expect) if expect else None)
         except SourceChanged:
-            return ("changed",)
+            return ("changed",), None
         except OSError as exc:
-            return ("error", exc.errno or errno.EIO, exc.strerror or str(exc))
+            return ("error", exc.errno or errno.EIO, exc.strerror or str(exc)), None
         if data is None:
-            return ("large", tuple(attr))
-        name = entry_id(self.namespace, FileId(path, attr.size, attr.mtime_ns, attr.ctime_ns), self.block_size).hex()
+            return ("large", tuple(attr)), None
+        fid = FileId(path, attr.size, attr.mtime_ns, attr.ctime_ns)
+        return self._write(fid, data, tuple(attr)), data
+
+    def fill_many(self, requests: list[tuple]) -> tuple:  # type: ignore[type-arg]
+        """A batch: from the shared tier what it has, the rest from the source (then
+        shared); see the module's protocol."""
+        before = self.stats.thread_counts()
+        replies: list[tuple | None] = [None] * len(requests)  # type: ignore[type-arg]
+        if self.shared is not None:
+            wanted = [(i, FileId(path, *expect)) for i, (path, limit, expect) in enumerate(requests)
+                      if expect is not None and 0 < expect[0] <= limit]
+            found = self.shared.get_many([(fid, 0, fid.size) for _, fid in wanted])
+            for (i, fid), data in zip(wanted, found, strict=True):
+                if data is not None:
+                    replies[i] = self._write(fid, data, None)
+        to_share = []
+        todo = [i for i in range(len(requests)) if replies[i] is None]
+        # the rest from the source, in parallel: a batch waits for one source visit, not one each
+        results = self._pool.map(lambda i: self._fill(*requests[i]), todo) if len(todo) > 1 else \
+            [self._fill(*requests[i]) for i in todo]
+        for i, (reply, data) in zip(todo, results, strict=True):
+            replies[i] = reply
+            if self.shared is not None and data is not None and reply[0] in ("stored", "exists"):
+                a = reply[1]
+                to_share.append((FileId(requests[i][0], a[4], a[6], a[7]), 0, data))
+        if to_share:
+            assert self.shared is not None
+            self.shared.store_many(to_share)
+        after = self.stats.thread_counts()
+        counts = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        return ("many", replies, counts)
+
+    def _write(self, fid: FileId, data: bytes, attr: tuple | None) -> tuple:  # type: ignore[type-arg]
+        """Write a file version's bytes to its entry's file; the reply for it."""
+        name = entry_id(self.namespace, fid, self.block_size).hex()
         dest = f"{self.data_dir}/{name[:2]}/{name}"
         try:
             fd = self._create(dest)
         except FileExistsError:
-            return ("exists", tuple(attr))
+            return ("exists", attr)
         except OSError as exc:
-            return ("unstored", tuple(attr), exc.errno or errno.EIO, exc.strerror or str(exc))
+            return ("unstored", attr, exc.errno or errno.EIO, exc.strerror or str(exc))
         try:
             view, offset = memoryview(data), 0
             while view:
@@ -117,11 +174,11 @@ class _Worker:
                 os.unlink(dest)
             except OSError:
                 pass
-            return ("unstored", tuple(attr), exc.errno or errno.EIO, exc.strerror or str(exc))
+            return ("unstored", attr, exc.errno or errno.EIO, exc.strerror or str(exc))
         os.close(fd)
         from cachefs.tiers.store import block_hash
 
-        return ("stored", tuple(attr), block_hash(data))
+        return ("stored", attr, block_hash(data)) if attr is not None else ("stored", None, block_hash(data), "shared")
 
     @staticmethod
     def _create(dest: str) -> int:
@@ -139,8 +196,12 @@ class _Worker:
             except (EOFError, OSError):
                 return
             try:
-                assert isinstance(request, tuple) and len(request) == 3
-                reply = self.fill(request[0], request[1], request[2])
+                assert isinstance(request, tuple)
+                if request[0] == "many":
+                    reply = self.fill_many(request[1])
+                else:
+                    assert len(request) == 3
+                    reply = self.fill(request[0], request[1], request[2])
             except Exception as exc:  # never leave the daemon waiting
                 reply = ("error", errno.EIO, f"fetch process: {exc!r}")
             try:
@@ -157,6 +218,8 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--namespace", required=True)
     p.add_argument("--block-size", type=int, required=True)
     p.add_argument("--fds", required=True, help="comma-separated channel descriptors")
+    p.add_argument("--shared", help="the shared tier's servers (memcached://...)")
+    p.add_argument("--shared-namespace", default="")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the daemon
     try:
@@ -166,7 +229,8 @@ def worker_main(argv: list[str] | None = None) -> int:
         pass
     if os.getppid() == 1:
         return 0  # the daemon is already gone
-    worker = _Worker(args.root, args.data, args.namespace.encode(), args.block_size, args.root_fd)
+    worker = _Worker(args.root, args.data, args.namespace.encode(), args.block_size, args.root_fd,
+                     args.shared, args.shared_namespace)
     threads = []
     for fd in (int(x) for x in args.fds.split(",")):
         sock = socket.socket(fileno=fd)
@@ -190,7 +254,8 @@ class Fetchers:
     thread; it holds a channel for one request."""
 
     def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int, processes: int,
-                 channels: int, root_fd: int = -1):
+                 channels: int, root_fd: int = -1, shared: str | None = None, shared_namespace: str = ""):
+        self.shared = bool(shared)  # the workers ask the shared tier themselves (fill_many)
         self.processes: list[subprocess.Popen[bytes]] = []
         self._free: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
         self._all: list[socket.socket] = []
@@ -208,6 +273,8 @@ class Fetchers:
             cmd = [sys.executable, "-m", "cachefs.fetcher", "--root", root, "--data", data_dir,
                    "--namespace", namespace.decode(), "--block-size", str(block_size),
                    "--fds", ",".join(str(s.fileno()) for s in theirs), "--root-fd", str(root_fd)]
+            if shared:
+                cmd += ["--shared", shared, "--shared-namespace", shared_namespace]
             try:
                 inherit = [s.fileno() for s in theirs] + ([root_fd] if root_fd >= 0 else [])
                 proc = subprocess.Popen(cmd, pass_fds=inherit, stdin=subprocess.DEVNULL,
@@ -240,6 +307,30 @@ class Fetchers:
         except BlockingIOError:  # SO_RCVTIMEO ran out
             threading.Thread(target=self._drain, args=(sock,), daemon=True).start()
             raise OSError(errno.ETIMEDOUT, "source did not answer in time (fetch process)", path) from None
+        except (EOFError, OSError):
+            self._lose(sock)
+            raise FetchUnavailable from None
+        self._free.put(sock)
+        return reply  # type: ignore[return-value]
+
+    def fill_many(self, requests: list[tuple[str, int, FileId | None]], timeout: float | None) -> tuple:  # type: ignore[type-arg]
+        """A batch of requests on one channel: ("many", replies, shared counts)."""
+        packed = [(path, limit, None if e is None else (e.size, e.mtime_ns, e.ctime_ns)) for path, limit, e in requests]
+        return self._call(("many", packed), timeout, requests[0][0] if requests else "")
+
+    def _call(self, message: tuple, timeout: float | None, subject: str) -> tuple:  # type: ignore[type-arg]
+        if self._closed or self.channels <= 0:
+            raise FetchUnavailable
+        sock = self._free.get()
+        try:
+            if timeout != self._timeouts.get(sock.fileno()):
+                _set_timeout(sock, timeout)
+                self._timeouts[sock.fileno()] = timeout
+            _send(sock, message)
+            reply = _recv(sock)
+        except BlockingIOError:  # SO_RCVTIMEO ran out
+            threading.Thread(target=self._drain, args=(sock,), daemon=True).start()
+            raise OSError(errno.ETIMEDOUT, "source did not answer in time (fetch process)", subject) from None
         except (EOFError, OSError):
             self._lose(sock)
             raise FetchUnavailable from None

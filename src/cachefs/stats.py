@@ -172,6 +172,11 @@ class Stats:
                 totals[name] = totals.get(name, 0) + n
         return totals
 
+    def thread_counts(self) -> dict[str, int]:
+        """What the calling thread has counted so far (its own shard): the difference of
+        two calls is what that thread did in between, whatever other threads did."""
+        return dict(self._shard())
+
     def get(self, name: str) -> int:
         return self._totals().get(name, 0)
 

@@ -226,6 +226,67 @@ class SharedTier:
             return None
         return data
 
+    def get_many(self, blocks: list[tuple[FileId, int, int]]) -> list[bytes | None]:
+        """Several blocks ((fid, index, length) each), verified, in one request per server:
+        a directory of small files costs a round trip, not one per file."""
+        out: list[bytes | None] = [None] * len(blocks)
+        by_server: dict[int, list[int]] = {}
+        keys = [self.key(fid, index) for fid, index, _ in blocks]
+        for i, key in enumerate(keys):
+            by_server.setdefault(id(self.server_for(key)), []).append(i)
+        for indexes in by_server.values():
+            server = self.server_for(keys[indexes[0]])
+            if not self._usable(server):
+                self.stats.incr("shared.misses", len(indexes))
+                continue
+            try:
+                found = server.client.get_many([keys[i] for i in indexes])
+                for i in indexes:
+                    first = found.get(keys[i])
+                    if first is not None:
+                        fid, index, length = blocks[i]
+                        out[i] = self._assemble(server, keys[i], first, self.identity(fid, index), length)
+            except Exception as exc:
+                self._failed(server, exc)
+                self.stats.add_many({"shared.errors": 1, "shared.misses": len(indexes)})
+                continue
+            self._answered(server)
+            hits = [out[i] for i in indexes if out[i] is not None]
+            server.hits += len(hits)
+            server.misses += len(indexes) - len(hits)
+            self.stats.add_many({"shared.hits": len(hits), "shared.misses": len(indexes) - len(hits),
+                                 "shared.bytes": sum(len(x) for x in hits if x is not None)})
+        return out
+
+    def store_many(self, blocks: list[tuple[FileId, int, bytes]]) -> int:
+        """Store several blocks now, one request per server; returns how many were stored."""
+        by_server: dict[int, tuple[_Server, dict[bytes, bytes], list[int]]] = {}
+        for fid, index, data in blocks:
+            key = self.key(fid, index)
+            server = self.server_for(key)
+            entry = by_server.setdefault(id(server), (server, {}, []))
+            parts = self._parts(self.identity(fid, index), data, server.item_max)
+            entry[1][key] = parts[0]
+            entry[1].update({key + b"/" + str(i).encode(): part for i, part in enumerate(parts[1:], 1)})
+            entry[2].append(len(data))
+        stored = 0
+        for server, values, sizes in by_server.values():
+            if not self._usable(server):
+                continue
+            try:
+                failed = server.client.set_many(values, noreply=False)
+            except Exception as exc:
+                self._failed(server, exc)
+                self.stats.incr("shared.errors")
+                continue
+            self._answered(server)
+            if failed:
+                self.stats.incr("shared.errors")
+                continue
+            stored += len(sizes)
+            self.stats.add_many({"shared.puts": len(sizes), "shared.put_bytes": sum(sizes)})
+        return stored
+
     # -- put -------------------------------------------------------------------------------
 
     def put(self, fid: FileId, index: int, data: bytes | Callable[[], bytes | None], size: int,
