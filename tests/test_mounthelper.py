@@ -65,3 +65,14 @@ def test_fake_mode_checks_and_writes_nothing(tmp_path, capsys):
     out = capsys.readouterr()
     assert "check passed: would mount" in out.out and "--ram-size 64MiB" in out.err
     assert not cache.exists()
+
+
+def test_a_shared_cache_option_with_several_servers():
+    options = split_options("ro,shared_cache=memcached://10.0.0.1:11211+10.0.0.2:11211,shared_namespace=imagenet")
+    args, warnings = translate(options)
+    assert args == ["--shared-cache", "memcached://10.0.0.1:11211+10.0.0.2:11211", "--shared-namespace", "imagenet"]
+    assert not warnings
+    from cachefs.cli import build_parser
+
+    parsed = build_parser().parse_args(["mount", "s", "m", *args])
+    assert parsed.shared_cache.endswith("10.0.0.2:11211")

@@ -69,6 +69,7 @@ FID = FileId("/train/n01/a.jpg", 3000, 1_700_000_000_123_456_789, 1)
 def test_parse_servers():
     assert parse_servers("memcached://a:11211,10.1.2.3:5") == [("a", 11211), ("10.1.2.3", 5)]
     assert parse_servers("memcached://[::1]:11211") == [("::1", 11211)]
+    assert parse_servers("memcached://a:1+b:2") == [("a", 1), ("b", 2)]  # as mount -o and fstab need it
     for bad in ("a:1", "memcached://a", "memcached://a:0", "memcached://a:1,a:1", "memcached://:5"):
         with pytest.raises(ValueError):
             parse_servers(bad)

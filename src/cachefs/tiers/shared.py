@@ -64,11 +64,12 @@ class Client(Protocol):
 
 
 def parse_servers(spec: str) -> list[tuple[str, int]]:
-    """`memcached://HOST:PORT[,HOST:PORT...]` -> [(host, port), ...]; ValueError with the reason."""
+    """`memcached://HOST:PORT[,HOST:PORT...]` -> [(host, port), ...]; ValueError with the reason.
+    `+` separates servers too: mount -o and fstab split options on commas."""
     if not spec.startswith(SCHEME):
         raise ValueError(f"expected {SCHEME}HOST:PORT[,HOST:PORT...]")
     servers = []
-    for part in spec[len(SCHEME):].split(","):
+    for part in spec[len(SCHEME):].replace("+", ",").split(","):
         host, sep, port = part.strip().rpartition(":")
         host = host.strip("[]")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
