@@ -50,6 +50,18 @@ def test_counters_gauges_labels_and_histograms():
     assert "cachefs_uptime_seconds" in text
 
 
+def test_shared_tier_servers_are_labelled():
+    s = Stats()
+    s.add_many({"shared.hits": 5})
+    s.gauge("shared.servers", lambda: [{"server": "10.0.0.1:11211", "up": True, "hits": 4},
+                                       {"server": "10.0.0.2:11211", "up": False, "hits": 1}])
+    families, _ = scrape(s)
+    assert sample(families, "cachefs_shared_hits_total") == 5
+    assert sample(families, "cachefs_shared_server_up", server="10.0.0.1:11211") == 1
+    assert sample(families, "cachefs_shared_server_up", server="10.0.0.2:11211") == 0
+    assert sample(families, "cachefs_shared_server_hits_total", server="10.0.0.1:11211") == 4
+
+
 @pytest.mark.parametrize("text, expected", [
     ("9100", ("127.0.0.1", 9100)), (":9100", ("127.0.0.1", 9100)),
     ("0.0.0.0:9100", ("0.0.0.0", 9100)), ("[::1]:9200", ("::1", 9200)),

@@ -100,6 +100,18 @@ class StatsCollector:
         yield fuse_time
         yield source_req
 
+        servers = (snap.get("shared") or {}).get("servers") or []
+        if servers:
+            up = GaugeMetricFamily("cachefs_shared_server_up", "Shared cache server answering (1) or down (0)",
+                                   labels=["server"])
+            hits = CounterMetricFamily("cachefs_shared_server_hits", "Blocks found on this shared cache server",
+                                       labels=["server"])
+            for server in servers:
+                up.add_metric([server["server"]], 1 if server["up"] else 0)
+                hits.add_metric([server["server"]], server["hits"])
+            yield up
+            yield hits
+
         latency = HistogramMetricFamily("cachefs_source_request_duration_seconds",
                                         "Duration of requests to the source", labels=["op"])
         for name, h in sorted((snap.get("latency") or {}).items()):
