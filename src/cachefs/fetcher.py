@@ -295,23 +295,8 @@ class Fetchers:
         """One request (see the module's protocol). Raises OSError(ETIMEDOUT) after
         `timeout` (the channel is set aside until its late reply arrives), and
         FetchUnavailable when no process can answer."""
-        if self._closed or self.channels <= 0:
-            raise FetchUnavailable
-        sock = self._free.get()
-        try:
-            if timeout != self._timeouts.get(sock.fileno()):
-                _set_timeout(sock, timeout)
-                self._timeouts[sock.fileno()] = timeout
-            _send(sock, (path, limit, None if expect is None else (expect.size, expect.mtime_ns, expect.ctime_ns)))
-            reply = _recv(sock)
-        except BlockingIOError:  # SO_RCVTIMEO ran out
-            threading.Thread(target=self._drain, args=(sock,), daemon=True).start()
-            raise OSError(errno.ETIMEDOUT, "source did not answer in time (fetch process)", path) from None
-        except (EOFError, OSError):
-            self._lose(sock)
-            raise FetchUnavailable from None
-        self._free.put(sock)
-        return reply  # type: ignore[return-value]
+        packed = None if expect is None else (expect.size, expect.mtime_ns, expect.ctime_ns)
+        return self._call((path, limit, packed), timeout, path)
 
     def fill_many(self, requests: list[tuple[str, int, FileId | None]], timeout: float | None) -> tuple:  # type: ignore[type-arg]
         """A batch of requests on one channel: ("many", replies, shared counts)."""

@@ -51,6 +51,16 @@ def node(mounts, tmp_path, src, name, servers):
                           extra=["--shared-cache", servers.url])
 
 
+def filled(mounts, tmp_path, servers):
+    """A tree, and node a, which has read all of it and stored it in the shared tier."""
+    src = tmp_path / "src"
+    files = make_tree(src)
+    a = node(mounts, tmp_path, src, "a", servers)
+    read_all(a, files)
+    settle(a, blocks_of(files))
+    return src, files
+
+
 def settle(mp, puts, timeout=30.0):
     """Wait until the node has stored `puts` blocks in the shared tier."""
     deadline = time.monotonic() + timeout
@@ -63,11 +73,7 @@ def settle(mp, puts, timeout=30.0):
 
 
 def test_the_second_node_reads_nothing_from_the_source(tmp_path, mounts, servers, fault_report):
-    src = tmp_path / "src"
-    files = make_tree(src)
-    a = node(mounts, tmp_path, src, "a", servers)
-    read_all(a, files)
-    settle(a, blocks_of(files))
+    src, files = filled(mounts, tmp_path, servers)
     b = node(mounts, tmp_path, src, "b", servers)
     read_all(b, files)
     s = stats(b)
@@ -86,11 +92,7 @@ def test_the_second_node_reads_nothing_from_the_source(tmp_path, mounts, servers
 
 
 def test_a_server_killed_mid_epoch_then_restarted(tmp_path, mounts, servers, fault_report):
-    src = tmp_path / "src"
-    files = make_tree(src)
-    a = node(mounts, tmp_path, src, "a", servers)
-    read_all(a, files)
-    settle(a, blocks_of(files))
+    src, files = filled(mounts, tmp_path, servers)
     b = node(mounts, tmp_path, src, "b", servers)
     rels = list(files)
     for rel in rels[:20]:
@@ -114,11 +116,7 @@ def test_a_server_killed_mid_epoch_then_restarted(tmp_path, mounts, servers, fau
 
 
 def test_a_stopped_server_and_a_corrupted_item(tmp_path, mounts, servers, fault_report):
-    src = tmp_path / "src"
-    files = make_tree(src)
-    a = node(mounts, tmp_path, src, "a", servers)
-    read_all(a, files)
-    settle(a, blocks_of(files))
+    src, files = filled(mounts, tmp_path, servers)
     # overwrite the items of three files on server 0, through the memcached protocol
     client = Client(("127.0.0.1", servers.ports[0]))
     corrupted = 0
