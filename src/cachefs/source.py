@@ -13,11 +13,11 @@ import logging
 import os
 import stat as stat_mod
 import threading
-from collections import OrderedDict
 from typing import NamedTuple, Protocol
 
 from cachefs.blocks import FileId
 from cachefs.directio import ALIGN as _ALIGN
+from cachefs.directio import DescriptorCache
 from cachefs.directio import pread as _pread
 from cachefs.directio import pread_direct as _pread_direct
 from cachefs.errors import SourceChanged
@@ -162,8 +162,9 @@ class LocalSource:
         # the file's owner (or root), so fall back without it on EPERM.
         self._noatime = getattr(os, "O_NOATIME", 0)
         self._direct = hasattr(os, "O_DIRECT")
-        self._kept: OrderedDict[tuple[FileId, bool], int] = OrderedDict()  # see _open_kept
-        self._kept_lock = threading.Lock()
+        # big source files kept open between block reads (see _read_range)
+        self._kept: DescriptorCache[tuple[FileId, bool]] = DescriptorCache(
+            lambda key: self._open_file(key[0].path, key[1]), KEPT_FILES)
         self._root_fd = root_fd
         self._root_lock = threading.Lock()
         self._openat2 = _syscall is not None and os.uname().sysname == "Linux"
@@ -377,7 +378,9 @@ class LocalSource:
 
     def _read_range(self, fid: FileId, offset: int, size: int, direct: bool) -> bytes:
         part = size < fid.size  # a block of a big file: more are likely to follow
-        fd = self._open_kept(fid, direct) if part else self._open_file(fid.path, direct)
+        # a big file stays open between block reads: one request to the store per read,
+        # not an open and a read; each read is still checked against the version (_check)
+        fd = self._kept.get((fid, direct)) if part else self._open_file(fid.path, direct)
         try:
             data = _pread_direct(fd, offset, size) if direct else _pread(fd, offset, size)
             # Checked after the read, on the descriptor read from: a file that was another
@@ -385,43 +388,13 @@ class LocalSource:
             self._check(fd, fid)
         except BaseException:
             if part:
-                self._forget_kept(fid, direct)
+                self._kept.forget((fid, direct))
             raise
         finally:
             os.close(fd)
         if len(data) != size:
             raise SourceChanged(fid.path)
         return data
-
-    def _open_kept(self, fid: FileId, direct: bool) -> int:
-        """A descriptor of this file version for the caller to close: big files stay open
-        between block reads (KEPT_FILES of them), so a read is one request to the store,
-        not an open and a read. Each read is still checked against the version (_check)."""
-        key = (fid, direct)
-        with self._kept_lock:
-            fd = self._kept.get(key)
-            if fd is not None:
-                self._kept.move_to_end(key)
-                return os.dup(fd)
-        fd = self._open_file(fid.path, direct)
-        with self._kept_lock:  # the dup under the lock: another thread may close what it holds
-            kept = self._kept.get(key)
-            if kept is not None:  # opened meanwhile by another thread: keep that one
-                extra = [fd]
-                mine = os.dup(kept)
-            else:
-                self._kept[key] = fd
-                extra = [self._kept.popitem(last=False)[1] for _ in range(max(0, len(self._kept) - KEPT_FILES))]
-                mine = os.dup(fd)
-        for x in extra:
-            os.close(x)
-        return mine
-
-    def _forget_kept(self, fid: FileId, direct: bool) -> None:
-        with self._kept_lock:
-            fd = self._kept.pop((fid, direct), None)
-        if fd is not None:
-            os.close(fd)
 
     def read_whole(self, path: str, limit: int, expect: FileId | None = None) -> tuple[Attr, bytes | None]:
         """A small file in one visit: open, fstat, read, check, close. Returns its attributes

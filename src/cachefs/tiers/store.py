@@ -22,13 +22,12 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
 import xxhash
 
-from cachefs.directio import pread, pread_direct
+from cachefs.directio import DescriptorCache, pread, pread_direct
 from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
 from cachefs.source import Attr
 from cachefs.stats import Stats
@@ -98,49 +97,6 @@ class Entry:
         return start, max(0, min(self.block_size, self.attr.size - start))
 
 
-class _Descriptors:
-    """An LRU of open read descriptors, by entry name."""
-
-    def __init__(self, opener: Callable[[str], int], limit: int = FD_CACHE):
-        self._open = opener
-        self._fds: OrderedDict[str, int] = OrderedDict()
-        self._limit = limit
-        self._lock = threading.Lock()
-
-    def get(self, name: str) -> int:
-        with self._lock:
-            fd = self._fds.get(name)
-            if fd is not None:
-                self._fds.move_to_end(name)
-                return os.dup(fd)  # the caller closes its own: an eviction cannot pull it away
-        fd = self._open(name)
-        with self._lock:  # the dup under the lock: another thread may close what it holds
-            kept = self._fds.get(name)
-            if kept is not None:  # opened meanwhile by another thread: keep that one
-                extra = [fd]
-                mine = os.dup(kept)
-            else:
-                self._fds[name] = fd
-                extra = [self._fds.popitem(last=False)[1] for _ in range(max(0, len(self._fds) - self._limit))]
-                mine = os.dup(fd)
-        for x in extra:
-            os.close(x)
-        return mine
-
-    def forget(self, name: str) -> None:
-        with self._lock:
-            fd = self._fds.pop(name, None)
-        if fd is not None:
-            os.close(fd)
-
-    def close(self) -> None:
-        with self._lock:
-            fds = list(self._fds.values())
-            self._fds.clear()
-        for fd in fds:
-            os.close(fd)
-
-
 class FileStore:
     """The machinery both tiers share. Thread-safe; writes are synchronous."""
 
@@ -157,7 +113,7 @@ class FileStore:
         self._entries: dict[bytes, Entry] = {}
         self._lock = threading.RLock()
         self._direct = direct and self._probe_direct()
-        self._fds = _Descriptors(self._open_read)
+        self._fds = DescriptorCache(self._open_read, FD_CACHE)
         self.on_evict: Callable[[BlockKey], None] | None = None  # told of every evicted block
         self.on_drop: list[Callable[[bytes], None]] = []  # told of every entry dropped whole
         self.read_latency = 0.0  # seconds: moving average of a block read that hit
