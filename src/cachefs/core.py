@@ -98,7 +98,7 @@ def source_namespace(source_root: str) -> bytes:
     return hashlib.blake2b(source_root.encode("utf-8", "surrogateescape"), digest_size=8).hexdigest().encode()
 
 
-_NO_XATTRS: dict[str, bytes | None] = {"": b""}  # never written to: no name is in it
+_NO_XATTRS: dict[str, bytes | None] = {}  # never written to: no name is in it
 
 
 class _TTLCache:
@@ -381,9 +381,9 @@ class Core:
         return self._source_call("statfs", self.source.statfs)
 
     def _xattrs_of(self, path: str) -> dict[str, bytes | None]:
-        """The extended attributes of `path` known so far: "" -> the names (one listxattr),
-        name -> value. Kept with the metadata for --metadata-ttl: `ls -l` asks for two
-        attributes of every file it lists, and most files have none."""
+        """The extended attributes of `path`: name -> value (None until asked for), the
+        names from one listxattr. Kept with the metadata for --metadata-ttl: `ls -l` asks
+        for two attributes of every file it lists, and most files have none."""
         known = self._xattr_cache.get(path)
         if isinstance(known, dict):
             self.stats.incr("metadata.hits")
@@ -394,22 +394,21 @@ class Core:
             if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
                 raise
             names = []
-        fresh: dict[str, bytes | None] = {"": "\0".join(names).encode()} if names else _NO_XATTRS
+        fresh: dict[str, bytes | None] = dict.fromkeys(names) if names else _NO_XATTRS
         self._xattr_cache.put(path, fresh, self.metadata_ttl)  # most files: one shared "none"
         return fresh
 
     def getxattr(self, path: str, name: str) -> bytes:
         known = self._xattrs_of(path)
-        if name not in (known[""] or b"").decode().split("\0"):
+        if name not in known:
             raise OSError(errno.ENODATA, "no such attribute", path)
-        value = known.get(name)
+        value = known[name]
         if value is None:
             value = known[name] = self._source_call("getxattr", self.source.getxattr, path, name)
         return value
 
     def listxattr(self, path: str) -> list[str]:
-        raw = (self._xattrs_of(path)[""] or b"").decode()
-        return raw.split("\0") if raw else []
+        return list(self._xattrs_of(path))
 
     def _with_acl(self, path: str, attr: Attr) -> Attr:
         """Under --allow-other (`check_acls`): the mode cut down to what the file's POSIX ACL
