@@ -185,26 +185,7 @@ class SharedTier:
 
     def get(self, fid: FileId, index: int, length: int) -> bytes | None:
         """The block, verified, or None (a miss: not there, damaged, or the server down)."""
-        key = self.key(fid, index)
-        server = self.server_for(key)
-        if not self._usable(server):
-            self.stats.incr("shared.misses")
-            return None
-        try:
-            first = server.client.get_many([key]).get(key)
-            data = None if first is None else self._assemble(server, key, first, self.identity(fid, index), length)
-        except Exception as exc:
-            self._failed(server, exc)
-            self.stats.add_many({"shared.errors": 1, "shared.misses": 1})
-            return None
-        self._answered(server)
-        if data is None:
-            server.misses += 1
-            self.stats.incr("shared.misses")
-            return None
-        server.hits += 1
-        self.stats.add_many({"shared.hits": 1, "shared.bytes": len(data)})
-        return data
+        return self.get_many([(fid, index, length)])[0]
 
     def _assemble(self, server: _Server, key: bytes, first: bytes, ident: bytes, length: int) -> bytes | None:
         if len(first) < _HEADER.size:
@@ -315,33 +296,13 @@ class SharedTier:
             try:
                 value = data() if callable(data) else data
                 if value is not None:
-                    self._store(fid, index, value)
+                    self.store_many([(fid, index, value)])
             except Exception as exc:  # a failed put is only a lost chance to share
                 log.debug("shared put of %s block %d failed: %s", fid.path, index, exc)
             finally:
                 with self._room:
                     self._pending -= size
                     self._room.notify_all()
-
-    def _store(self, fid: FileId, index: int, data: bytes) -> None:
-        key = self.key(fid, index)
-        server = self.server_for(key)
-        if not self._usable(server):
-            return
-        parts = self._parts(self.identity(fid, index), data, server.item_max)
-        values = {key: parts[0]}
-        values.update({key + b"/" + str(i).encode(): part for i, part in enumerate(parts[1:], 1)})
-        try:
-            failed = server.client.set_many(values, noreply=False)
-        except Exception as exc:
-            self._failed(server, exc)
-            self.stats.incr("shared.errors")
-            return
-        self._answered(server)
-        if failed:
-            self.stats.incr("shared.errors")
-            return
-        self.stats.add_many({"shared.puts": 1, "shared.put_bytes": len(data)})
 
     # -- servers up and down ---------------------------------------------------------------
 
