@@ -292,6 +292,84 @@ def test_readdirplus_looks_up_exactly_the_entries_it_returns(kernel, session):
     assert first == 0  # "." carries no entry: the kernel must not count a lookup
 
 
+def _list_all(kernel, session, opcode, fh, size, start=0):
+    """Every (name, next offset) a listing hands out from `start`, read `size` bytes at a time."""
+    plus = opcode == p.READDIRPLUS
+    got, offset = [], start
+    while True:
+        error, out = call(kernel, session, opcode, p.READ_IN.pack(fh, offset, size, 0, 0, 0, 0))
+        assert error == 0 and len(out) <= size
+        if not out:
+            return got
+        pos = 0
+        while pos < len(out):
+            base = pos + (p.ENTRY_OUT.size + p.ATTR.size if plus else 0)
+            ino, off, namelen, kind = p.DIRENT.unpack_from(out, base)
+            name = out[base + p.DIRENT.size:base + p.DIRENT.size + namelen]
+            got.append((name, off))
+            offset = off
+            pos += p.dirent_size(name, plus=plus)
+
+
+@pytest.mark.parametrize("opcode", [p.READDIR, p.READDIRPLUS])
+@pytest.mark.parametrize("count", [1_022, 1_281, 10_000, 100_000])
+def test_a_directory_of_any_size_lists_whole_in_big_pieces(kernel, session, opcode, count):
+    # A reply of more than IOV_MAX parts failed with EINVAL when each entry was a vector of
+    # its own; a 128 KiB piece holds ~4,000 short names (the fake kernel's socket takes
+    # ~200 KiB a message; the real kernel asks for up to max_pages, 1 MiB).
+    names = [f"n{i:06d}".encode() for i in range(count)]
+    session.ops.readdir = lambda req, nodeid, fh: [DirItem(n, stat.S_IFREG, 10 + i) for i, n in enumerate(names)]
+    session.ops.lookup = lambda req, parent, name: Entry(5, ATTR, 1.0, 1.0)
+    _, out = call(kernel, session, p.OPENDIR, p.OPEN_IN.pack(0, 0))
+    fh = p.OPEN_OUT.unpack(out)[0]
+    got = _list_all(kernel, session, opcode, fh, 128 << 10)
+    assert [n for n, _ in got] == names
+    # seekdir to the middle: the rest comes again, every name once
+    middle = len(got) // 2
+    again = _list_all(kernel, session, opcode, fh, 128 << 10, start=got[middle][1])
+    assert again == got[middle + 1:]
+    assert session.reply_failures == 0
+
+
+def test_a_reply_the_kernel_refuses_is_counted_logged_and_answered_with_an_error(kernel, session, caplog):
+    failed = []
+    session.on_reply_failed = lambda op, code: failed.append((op, code))
+    real_writev = os.writev
+
+    def refuse(fd, vectors):  # what the kernel says to a reply it cannot take
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    unique = kernel.send(p.GETATTR, p.GETATTR_IN.pack(0, 0, 0))
+    buf = bytearray(1 << 20)
+    n = os.readv(session.fd, [buf])
+    os.writev = refuse
+    try:
+        session.handle(session.fd, memoryview(buf)[:n])
+    finally:
+        os.writev = real_writev
+    error, got, _ = kernel.reply()
+    assert (error, got) == (-errno.EIO, unique)   # the caller does not wait forever
+    assert failed == [("getattr", errno.EINVAL)] and session.reply_failures == 1
+    assert any(r.levelname == "WARNING" and "refused the reply" in r.getMessage() for r in caplog.records)
+
+
+def test_an_interrupted_request_whose_reply_is_dropped_is_not_a_failure(kernel, session):
+    real_writev = os.writev
+    kernel.send(p.GETATTR, p.GETATTR_IN.pack(0, 0, 0))
+    buf = bytearray(1 << 20)
+    n = os.readv(session.fd, [buf])
+
+    def gone(fd, vectors):
+        raise OSError(errno.ENOENT, "No such file or directory")
+
+    os.writev = gone
+    try:
+        session.handle(session.fd, memoryview(buf)[:n])
+    finally:
+        os.writev = real_writev
+    assert session.reply_failures == 0 and kernel.nothing()
+
+
 def test_xattrs_size_query_and_erange(kernel, session):
     name = b"user.x\0"
     assert call(kernel, session, p.GETXATTR, p.GETXATTR_IN.pack(0, 0) + name) == (0, p.GETXATTR_OUT.pack(6, 0))

@@ -217,7 +217,7 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
         except fuse.MountError as exc:
             raise RuntimeError(exc.strerror or str(exc)) from None
         session = fuse.Session(fd, fs, readers=FUSE_READERS, max_threads=FUSE_MAX_THREADS, max_read=MAX_READ,
-                               observer=fs.observe)
+                               observer=fs.observe, on_reply_failed=fs.reply_failed)
         session.trace = config.debug_fuse
         stop = _stop_on_signals(config.mountpoint, session)
         session.negotiate()

@@ -428,6 +428,11 @@ class CachefsFS(Operations):
         if self._backings is not None:
             self._backings.close_all()
 
+    def reply_failed(self, op: str, code: int) -> None:
+        """The session's report of a reply the kernel refused (it logged the warning): the
+        caller got an error, so it counts as one."""
+        self.core.stats.add_many({"fuse.errors": 1, "fuse.reply_failures": 1})
+
     def observe(self, op: str, seconds: float, code: int) -> None:
         """The session's per-request observer: requests and time per operation."""
         count, micros = _OP_KEYS.get(op) or _OP_KEYS["other"]

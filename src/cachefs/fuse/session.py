@@ -176,6 +176,11 @@ class _DirHandle:
 # Requests no reply is sent for.
 _NO_REPLY = frozenset({p.FORGET, p.BATCH_FORGET, p.INTERRUPT})
 
+# A reply of this many parts or more is joined into one buffer before it is written:
+# writev takes at most IOV_MAX (1,024) vectors, and joining a few hundred small records
+# costs less than passing them one by one.
+MAX_REPLY_PARTS = 16
+
 
 class Session:
     """Serves one mounted FUSE connection until it is unmounted.
@@ -191,7 +196,8 @@ class Session:
 
     def __init__(self, fd: int, ops: Operations, *, readers: int = 2, max_threads: int = 64,
                  max_read: int = 1 << 20, max_background: int = 64,
-                 observer: Callable[[str, float, int], None] | None = None, clone: bool = True):
+                 observer: Callable[[str, float, int], None] | None = None, clone: bool = True,
+                 on_reply_failed: Callable[[str, int], None] | None = None):
         self.fd = fd
         self.ops = ops
         self.readers = max(1, readers)
@@ -200,6 +206,10 @@ class Session:
         self.max_write = 128 << 10   # read-only: only the kernel's minimum read buffer depends on it
         self.max_background = max_background
         self.observer = observer
+        # Called with (operation, errno) when the kernel refused a reply: the caller then
+        # got an error although the file system answered. Counted and logged by the owner.
+        self.on_reply_failed = on_reply_failed
+        self.reply_failures = 0
         self.trace = False  # log every request, its caller and its outcome (--debug-fuse)
         self.conn = Connection(max_read=max_read)
         self._clone = clone
@@ -448,7 +458,7 @@ class Session:
                 raise FuseError(errno.ENOSYS)
             out = handler(req, payload)
             if out is not None and opcode not in _NO_REPLY:
-                self._reply(fd, unique, out)
+                self._reply(fd, unique, out, opcode)
         except FuseError as exc:
             code = exc.errno
         except OSError as exc:
@@ -460,29 +470,52 @@ class Session:
             log.exception("%s request failed", p.OPCODE_NAMES.get(opcode, opcode))
             code = errno.EIO
         if code and opcode not in _NO_REPLY:
-            self._reply_error(fd, unique, code)
+            self._reply_error(fd, unique, code, opcode)
         if self.observer is not None:
             self.observer(p.OPCODE_NAMES.get(opcode, "unknown"), time.perf_counter() - start, code)
         if self.trace:
             log.info("%s unique=%d node=%d pid=%d: %s in %.0f us", p.OPCODE_NAMES.get(opcode, opcode), unique, nodeid,
                      pid, errno.errorcode.get(code, code) if code else "ok", (time.perf_counter() - start) * 1e6)
 
-    def _reply(self, fd: int, unique: int, parts: list[Buffer]) -> None:
+    def _reply(self, fd: int, unique: int, parts: list[Buffer], opcode: int = 0) -> None:
+        """Write one reply. A reply of many parts (a directory listing holds one per entry)
+        is joined into one buffer first: writev takes at most IOV_MAX (1,024) vectors and
+        fails with EINVAL past that, which the kernel would pass to the reader."""
         length = p.OUT_HEADER.size
         for x in parts:
             length += len(x)
+        header = p.OUT_HEADER.pack(length, 0, unique)
+        if len(parts) >= MAX_REPLY_PARTS:
+            vectors: list[Buffer] = [header + b"".join(parts)]
+        else:
+            vectors = [header, *parts]
         try:
-            os.writev(fd, [p.OUT_HEADER.pack(length, 0, unique), *parts])
+            os.writev(fd, vectors)
         except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENODEV):  # interrupted, or unmounted
-                raise
+            if self._reply_failed(opcode, unique, exc):
+                self._reply_error(fd, unique, errno.EIO, opcode)  # the caller must not wait forever
 
-    def _reply_error(self, fd: int, unique: int, code: int) -> None:
+    def _reply_error(self, fd: int, unique: int, code: int, opcode: int = 0) -> None:
         try:
             os.write(fd, p.OUT_HEADER.pack(p.OUT_HEADER.size, -abs(code), unique))
         except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENODEV):
-                raise
+            self._reply_failed(opcode, unique, exc)
+
+    def _reply_failed(self, opcode: int, unique: int, exc: OSError) -> bool:
+        """The kernel did not take a reply. ENOENT: the request was interrupted and the
+        caller is gone (nothing lost); ENODEV: unmounted. Anything else means a caller got
+        an error for a request the file system answered: counted and logged as a warning."""
+        code = exc.errno or errno.EIO
+        name = p.OPCODE_NAMES.get(opcode, str(opcode))
+        if code in (errno.ENOENT, errno.ENODEV):
+            log.debug("the reply to %s %d was not delivered: %s", name, unique, exc.strerror)
+            return False
+        self.reply_failures += 1
+        log.warning("the kernel refused the reply to a %s request: %s (errno %s)", name,
+                    exc.strerror, errno.errorcode.get(code, code))
+        if self.on_reply_failed is not None:
+            self.on_reply_failed(name, code)
+        return True
 
     # -- notifications and backing files ---------------------------------------------------
 

@@ -1,0 +1,123 @@
+"""Listings at the users' scale through a real mount: directories of 1,022 (one past what a
+reply of one vector per entry could carry), 1,281 (an ImageNet class), 10,000 and 100,000
+entries, read with readdir and readdirplus, and restarted midway with seekdir. Every name
+comes exactly once, and the kernel took every reply (fuse.errors stays 0)."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+import pytest
+
+from tests.helpers import stats
+
+SIZES = (1_022, 1_281, 10_000, 100_000)
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+
+
+class _Dirent(ctypes.Structure):  # struct dirent on Linux (glibc, 64-bit)
+    _fields_ = [("d_ino", ctypes.c_uint64), ("d_off", ctypes.c_int64), ("d_reclen", ctypes.c_ushort),
+                ("d_type", ctypes.c_ubyte), ("d_name", ctypes.c_char * 256)]
+
+
+_libc.opendir.restype = ctypes.c_void_p
+_libc.opendir.argtypes = [ctypes.c_char_p]
+_libc.readdir.restype = ctypes.POINTER(_Dirent)
+_libc.readdir.argtypes = [ctypes.c_void_p]
+_libc.telldir.restype = ctypes.c_long
+_libc.telldir.argtypes = [ctypes.c_void_p]
+_libc.seekdir.argtypes = [ctypes.c_void_p, ctypes.c_long]
+_libc.closedir.argtypes = [ctypes.c_void_p]
+
+
+def _read_rest(handle: int) -> list[str]:
+    names = []
+    while True:
+        ctypes.set_errno(0)
+        entry = _libc.readdir(handle)
+        if not entry:
+            assert ctypes.get_errno() == 0, os.strerror(ctypes.get_errno())
+            return names
+        names.append(entry.contents.d_name.decode())
+
+
+def _list_with_seekdir(path: str) -> tuple[list[str], list[str], list[str]]:
+    """The whole listing through libc's readdir; then the listing again from its middle
+    (seekdir to the position telldir gave there). Returns (all, after the middle, again)."""
+    handle = _libc.opendir(path.encode())
+    assert handle, os.strerror(ctypes.get_errno())
+    try:
+        first: list[str] = []
+        middle_pos = None
+        middle_index = 0
+        while True:
+            ctypes.set_errno(0)
+            entry = _libc.readdir(handle)
+            if not entry:
+                assert ctypes.get_errno() == 0, os.strerror(ctypes.get_errno())
+                break
+            first.append(entry.contents.d_name.decode())
+            if len(first) == 700:  # inside the first reply, past a page of entries
+                middle_pos, middle_index = _libc.telldir(handle), len(first)
+        assert middle_pos is not None
+        _libc.seekdir(handle, middle_pos)
+        again = _read_rest(handle)
+        return first, first[middle_index:], again
+    finally:
+        _libc.closedir(handle)
+
+
+@pytest.fixture(scope="module")
+def big_dirs(tmp_path_factory):
+    src = tmp_path_factory.mktemp("listings") / "src"
+    for count in SIZES:
+        d = src / f"d{count}"
+        d.mkdir(parents=True)
+        for i in range(count):
+            # names of several lengths, as datasets have
+            with open(d / f"n{i:06d}{'x' * (i % 7)}.JPEG", "wb") as f:
+                if i % 97 == 0:
+                    f.write(b"data")
+    return src
+
+
+def _expected(big_dirs, count):
+    return sorted(os.listdir(big_dirs / f"d{count}"))
+
+
+def test_every_directory_lists_whole_with_readdir_readdirplus_and_seekdir(big_dirs, mounts):
+    mp = mounts.cachefs(str(big_dirs))
+    for count in SIZES:
+        expected = _expected(big_dirs, count)
+        path = str(mp / f"d{count}")
+        # os.listdir: the kernel asks READDIRPLUS first, then plain READDIR for the rest
+        names = os.listdir(path)
+        assert len(names) == len(set(names)) == count and sorted(names) == expected
+        # os.scandir with a stat of each entry: the kernel keeps to READDIRPLUS
+        with os.scandir(path) as it:
+            sizes = {e.name: e.stat().st_size for e in it}
+        assert sorted(sizes) == expected
+        assert sizes[expected[0]] == 4 and sizes[expected[1]] == 0
+        # libc's readdir, then seekdir back to the middle: the rest again, every name once
+        first, rest, again = _list_with_seekdir(path)
+        assert sorted(n for n in first if n not in (".", "..")) == expected
+        assert len(first) == len(set(first))
+        assert again == rest
+    s = stats(mp)
+    assert s["fuse"]["errors"] == 0 and s["fuse"]["reply_failures"] == 0
+    assert s["fuse"]["readdir"] > 0 and s["fuse"]["readdirplus"] > 0
+
+
+def test_a_remounted_directory_of_1281_files_lists_from_the_index(big_dirs, mounts, tmp_path):
+    cache = tmp_path / "cache-remount"
+    mp = mounts.cachefs(str(big_dirs), name="first", cache_dir=cache)
+    with open(mp / "d1281" / os.listdir(mp / "d1281")[0], "rb") as f:
+        f.read()
+    mounts.unmount(mp)
+    mp = mounts.cachefs(str(big_dirs), name="second", cache_dir=cache)
+    names = os.listdir(mp / "d1281")
+    assert sorted(names) == _expected(big_dirs, 1_281)
+    assert stats(mp)["fuse"]["errors"] == 0
