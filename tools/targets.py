@@ -6,6 +6,7 @@
     python tools/targets.py remount [--latency 2ms]
     python tools/targets.py seq     [--size 1GiB] [--latency 2ms] [--bandwidth 300MB]
     python tools/targets.py random  [--size 1GiB] [--latency 2.4ms] [--bandwidth 110MB]
+    python tools/targets.py walk    [--files 2000] [--flat 3200] [--latency 2ms] [--baseline DIR]
 
 Every epoch reads an ImageFolder of JPEGs (tools/mkdataset.py) with 8 worker processes the
 way a DataLoader does (tools/epoch.py), with the page cache dropped before it (root), so
@@ -34,13 +35,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import random
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import psutil
 
@@ -70,6 +72,9 @@ def mounted(source: str, mp: str, cache: str, extra: Sequence[str] = (), baselin
     os.makedirs(mp, exist_ok=True)
     python = os.path.join(baseline, ".venv", "bin", "python") if baseline else sys.executable
     env = dict(os.environ, FUSE_LIBRARY_NAME="fuse3")  # an older cachefs needed this beside libfuse2
+    if baseline and not os.path.exists(python):  # a checkout without a venv of its own: ours, its code
+        python = sys.executable
+        env["PYTHONPATH"] = os.path.join(baseline, "src")
     cmd = [python, "-m", "cachefs", "mount", source, mp, "--cache-dir", cache, "--ram-size", ram,
            "--disk-size", disk, "--min-free", "0", *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=baseline or ROOT, env=env)
@@ -236,6 +241,99 @@ def cmd_remount(args: argparse.Namespace, work: str) -> dict:
     return out
 
 
+# -- walk --------------------------------------------------------------------------------------
+
+def _flat_folder(work: str, count: int) -> str:
+    path = os.path.join(work, "flat", "train")
+    if not os.path.isdir(path) or len(os.listdir(path)) != count:
+        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+        os.makedirs(path)
+        for i in range(count):
+            with open(os.path.join(path, f"img_{i:05d}_of_{count}.npz"), "wb") as f:
+                f.write(b"\0" * 64)
+    return os.path.dirname(path)
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    """Seconds `fn` took (the page cache dropped first); NaN if it failed (said on stderr)."""
+    drop_caches()
+    t0 = time.perf_counter()
+    try:
+        fn()
+    except OSError as exc:
+        print(f"failed: {exc}", file=sys.stderr)
+        return math.nan
+    return time.perf_counter() - t0
+
+
+def _ls_lr(root: str) -> int:
+    """What `ls -lR` does: list each directory and lstat every entry."""
+    n = 0
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            os.lstat(os.path.join(dirpath, name))
+            n += 1
+    return n
+
+
+def cmd_walk(args: argparse.Namespace, work: str) -> dict:
+    data = os.path.join(work, "dataset")
+    ensure_dataset(data, args.classes, args.files // args.classes)
+    flat = _flat_folder(work, args.flat)
+    mp = os.path.join(work, "mnt")
+    runs: dict[str, list[float]] = {}
+    cpu_ms: dict[str, list[float]] = {}
+    requests: dict[str, list[float]] = {}
+
+    def add(key: str, seconds: float) -> None:
+        runs.setdefault(key, []).append(seconds)
+
+    store = {"latency": args.latency, "attr_timeout": args.attr_timeout}
+    with slowfs(data, os.path.join(work, "slow"), **store) as slow, \
+            slowfs(flat, os.path.join(work, "slowflat"), **store) as slow_flat:
+        for rep in range(args.repeats):
+            print(f"repeat {rep + 1}/{args.repeats}: direct", file=sys.stderr)
+            add("imagefolder direct", _timed(lambda: list_imagefolder(slow)))
+            add("flat direct", _timed(lambda: os.listdir(os.path.join(slow_flat, "train"))))
+            add("ls -lR local", _timed(lambda: _ls_lr(data)))
+            for name, opts, baseline in systems(args):
+                print(f"repeat {rep + 1}/{args.repeats}: {name}", file=sys.stderr)
+                for key, source, walk in (("imagefolder", slow, list_imagefolder),
+                                          ("flat", slow_flat, lambda r: os.listdir(os.path.join(r, "train")))):
+                    cache = os.path.join(work, f"cache-{name}")
+                    shutil.rmtree(cache, ignore_errors=True)
+                    reset_stats(source)
+                    with mounted(source, mp, cache, opts, baseline, ram=args.ram_size) as proc:
+                        c0 = cpu(proc)
+                        add(f"{key} {name}", _timed(lambda w=walk: w(mp)))  # type: ignore[misc]
+                        cpu_ms.setdefault(f"{key} {name}", []).append((cpu(proc) - c0) * 1e3)
+                        st = read_stats(source)
+                        requests.setdefault(f"{key} {name}", []).append(
+                            sum(v for k, v in st.items() if k not in ("bytes", "seeks")))
+                cache = os.path.join(work, f"cache-{name}")
+                shutil.rmtree(cache, ignore_errors=True)
+                with mounted(data, mp, cache, opts, baseline, ram=args.ram_size):
+                    add(f"ls -lR {name}", _timed(lambda: _ls_lr(mp)))
+    med = {k: median(v) for k, v in runs.items()}
+    print(f"\nlisting as a job starts: ImageFolder walk of {args.files} files in {args.classes} folders and "
+          f"os.listdir of {args.flat} files in one folder over slowfs ({args.latency}/request, attributes "
+          f"kept {args.attr_timeout}s), `ls -lR` of the "
+          f"{args.files} files on local disk; page cache dropped before each; median of {args.repeats}")
+    rows = []
+    for key, ref in (("imagefolder", "imagefolder direct"), ("flat", "flat direct"), ("ls -lR", "ls -lR local")):
+        rows.append((ref, f"{med[ref]:.3f}", "1.00", "-", "-"))
+        for name, _, _ in systems(args):
+            k = f"{key} {name}"
+            if math.isnan(med[k]):
+                rows.append((f"{key} cachefs {name}", "failed", "-", "-", "-"))
+                continue
+            rows.append((f"{key} cachefs {name}", f"{med[k]:.3f}", f"{med[k] / med[ref]:.2f}",
+                         f"{median(cpu_ms[k]):.0f}" if k in cpu_ms else "-",
+                         f"{median(requests[k]):.0f}" if k in requests else "-"))
+    table(rows, ("walk", "seconds", "x reference", "daemon CPU ms", "store requests"))
+    return {"medians": med, "runs": runs, "cpu_ms": cpu_ms, "store_requests": requests}
+
+
 # -- seq ---------------------------------------------------------------------------------------
 
 def _big_file(work: str, size: int) -> str:
@@ -377,7 +475,7 @@ def cmd_random(args: argparse.Namespace, work: str) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
-    for name in ("warm", "cold", "remount", "seq", "random"):
+    for name in ("warm", "cold", "remount", "seq", "random", "walk"):
         s = sub.add_parser(name)
         add_workspace_options(s, repeats=3)
         s.add_argument("--modes", default="passthrough,zero-message", help="cachefs modes to run, of: "
@@ -393,10 +491,14 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--size", default="1GiB")
         s.add_argument("--reads", type=int, default=400, help="random reads (random)")
         s.add_argument("--lmdb-size", default="224MB", help="LMDB size (random)")
+        s.add_argument("--flat", type=int, default=3200, help="files in the one flat folder (walk)")
+        s.add_argument("--attr-timeout", default="0", help="seconds the store's client keeps attributes (walk): "
+                       "0, each stat a round trip (attribute caching off, or a listing without them)")
     args = p.parse_args(argv)
     if not drop_caches():
         raise SystemExit("targets: needs root, to drop the page cache before each epoch")
-    cmd = {"warm": cmd_warm, "cold": cmd_cold, "remount": cmd_remount, "seq": cmd_seq, "random": cmd_random}
+    cmd = {"warm": cmd_warm, "cold": cmd_cold, "remount": cmd_remount, "seq": cmd_seq, "random": cmd_random,
+           "walk": cmd_walk}
     with workspace(args, "targets") as work:
         out = cmd[args.mode](args, work)
     write_json(args.json, {"args": vars(args), **out})

@@ -482,6 +482,15 @@ class CachefsFS(Operations):
         return p.pack_entry_of(self.nodes.add(path, a), a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
                                a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
 
+    @_fuse_op
+    def lookup_known(self, req: Request, parent: int, name: bytes) -> bytes | None:
+        path = self.nodes.child(parent, name)
+        a = self.core.known_attr(path)
+        if a is None:
+            return None
+        return p.pack_entry_of(self.nodes.add(path, a), a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
+                               a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
+
     def forget(self, nodeid: int, nlookup: int) -> None:
         self.nodes.forget(nodeid, nlookup)
 

@@ -34,6 +34,9 @@ class MemorySource:
         self._open_gate = threading.Event()  # cleared: requests for hung paths block
         self._open_gate.set()
         self._hung: set[str] | None = None  # None while hung: every path
+        # A listing with attributes gives them for this many entries at most (None: all),
+        # as LocalSource does over a store where each stat is a round trip.
+        self.listing_attrs: int | None = None
         self.add_dir("/")
 
     # -- building the tree -------------------------------------------------------------
@@ -98,9 +101,12 @@ class MemorySource:
         if not attr.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
         prefix = path.rstrip("/") + "/"
-        return [DirEntry(p[len(prefix):], stat_mod.S_IFMT(a.mode), a.ino, a if attrs else None)
-                for p, (a, _) in sorted(self._nodes.items())
-                if p.startswith(prefix) and p != "/" and "/" not in p[len(prefix):]]
+        entries = [DirEntry(p[len(prefix):], stat_mod.S_IFMT(a.mode), a.ino, a if attrs else None)
+                   for p, (a, _) in sorted(self._nodes.items())
+                   if p.startswith(prefix) and p != "/" and "/" not in p[len(prefix):]]
+        if attrs and self.listing_attrs is not None:
+            entries[self.listing_attrs:] = [e._replace(attr=None) for e in entries[self.listing_attrs:]]
+        return entries
 
     def read_range(self, fid: FileId, offset: int, size: int) -> bytes:
         attr, data = self._enter("read_range", fid.path)

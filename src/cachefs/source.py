@@ -13,9 +13,11 @@ import logging
 import os
 import stat as stat_mod
 import threading
+import time
 from typing import NamedTuple, Protocol
 
 from cachefs.blocks import FileId
+from cachefs.config import LISTING_CHEAP_STAT, LISTING_PROBE_EVERY, LISTING_SLOW_STAT, LISTING_STAT_BUDGET
 from cachefs.directio import ALIGN as _ALIGN
 from cachefs.directio import DescriptorCache
 from cachefs.directio import pread as _pread
@@ -67,8 +69,10 @@ class Source(Protocol):
     def stat(self, path: str) -> Attr: ...
 
     def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
-        """The directory's entries; with `attrs`, each with its attributes (what NFS's
-        READDIRPLUS gives: one listing, no request per entry where the client caches them)."""
+        """The directory's entries; with `attrs`, each with its attributes where the source
+        gives them cheaply (what NFS's READDIRPLUS gives: one listing, no request per entry
+        where the client caches them). An entry may come without (attr None): the caller
+        asks for those itself."""
         ...
 
     def read_whole(self, path: str, limit: int, expect: FileId | None = None) -> tuple[Attr, bytes | None]:
@@ -169,6 +173,8 @@ class LocalSource:
         self._root_lock = threading.Lock()
         self._openat2 = _syscall is not None and os.uname().sysname == "Linux"
         self._moved_warned = False
+        self._slow_stats = False  # whether the last listing found stats slow (see listdir)
+        self._probed = 0.0  # when a listing last tried a stat to see whether they still are
 
     def root_fd(self) -> int:
         """The descriptor (O_PATH) of the tree being served."""
@@ -260,12 +266,9 @@ class LocalSource:
         if path == "/":
             self.root_moved()  # the kernel asks for the root's attributes every --metadata-ttl
             return Attr.from_stat(os.fstat(self._rootfd()))
-        beneath = self._open_beneath(check_relpath(path), os.O_PATH | os.O_NOFOLLOW)
-        if beneath is not None:
-            try:
-                return Attr.from_stat(os.fstat(beneath))
-            finally:
-                os.close(beneath)
+        # fstatat in the verified parent, not fstat of the file opened O_PATH: over a
+        # network file system the open costs a lookup and the fstat another round trip
+        # (where its client keeps no attributes), fstatat the lookup alone.
         fd, name = self._parent(path)
         try:
             return Attr.from_stat(os.stat(name, dir_fd=fd, follow_symlinks=False))
@@ -285,17 +288,35 @@ class LocalSource:
             os.close(fd)
 
     def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
+        """With `attrs`, entries carry their attributes while stat-ing them in series is
+        cheap (see config.LISTING_CHEAP_STAT); past that, the rest come with d_type only."""
         out = []
+        stat_time, statted = 0.0, 0
+        if self._slow_stats and time.monotonic() - self._probed < LISTING_PROBE_EVERY:
+            attrs = False  # on demand, without a probe
+        probe = self._slow_stats
         dfd = self._open_dir(path)
         try:
             with os.scandir(dfd) as it:
                 for entry in it:
                     if attrs:  # right after the listing: NFS and FUSE answer from what it brought
+                        start = time.perf_counter()
                         try:
                             a = Attr.from_stat(entry.stat(follow_symlinks=False))
                         except OSError:
                             continue  # vanished while listing
                         out.append(DirEntry(entry.name, stat_mod.S_IFMT(a.mode), a.ino, a))
+                        took = time.perf_counter() - start
+                        stat_time += took
+                        statted += 1
+                        if probe:  # stats were slow lately: one tells if they still are
+                            probe = False
+                            self._probed = time.monotonic()
+                            self._slow_stats = took > LISTING_SLOW_STAT
+                            attrs = not self._slow_stats
+                        elif stat_time > LISTING_STAT_BUDGET and stat_time > LISTING_CHEAP_STAT * statted:
+                            self._slow_stats, attrs = True, False  # a round trip each: looked up on demand
+                            self._probed = time.monotonic()
                         continue
                     try:
                         # d_type from the directory itself: no per-entry stat on the source.

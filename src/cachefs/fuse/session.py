@@ -120,6 +120,11 @@ class Operations:
         """The entry (or, for speed, the packed fuse_entry_out: protocol.pack_entry_of)."""
         raise FuseError(errno.ENOSYS)
 
+    def lookup_known(self, req: Request, parent: int, name: bytes) -> Entry | bytes | None:
+        """A lookup for a READDIRPLUS entry, answered only if it costs no wait (None: the
+        entry goes without attributes, and the kernel looks it up when it needs it)."""
+        return self.lookup(req, parent, name)
+
     def forget(self, nodeid: int, nlookup: int) -> None:
         pass
 
@@ -655,8 +660,10 @@ class Session:
             ino = item.ino or 0xFFFFFFFF
             if item.name not in (b".", b".."):
                 try:  # counts as a lookup: the kernel will FORGET it
-                    e = self.ops.lookup(req, req.nodeid, item.name)
-                    if isinstance(e, bytes):
+                    e = self.ops.lookup_known(req, req.nodeid, item.name)
+                    if e is None:
+                        pass
+                    elif isinstance(e, bytes):
                         entry = e
                         ino = p.ATTR.unpack_from(e, p.ENTRY_OUT.size)[0]
                     else:
