@@ -115,3 +115,20 @@ def test_after_a_restart_the_check_of_a_directory_fetches_every_missing_attribut
     core.readdir("/d")                          # ... and the listing's check finds the change
     assert changed == ["/d/f7"] and core.stats.get("metadata.index_stale") == 1
     core.close()
+
+
+def test_subdirectories_listed_without_attributes_are_stat_ed_ahead():
+    source = MemorySource()
+    for c in range(12):
+        source.add_file(f"/root/c{c:02d}/x.jpg", b"x")
+    source.add_file("/root/readme", b"hi")
+    source.listing_attrs = 0
+    core = make_core(source)
+    core.readdir("/root")
+    deadline = time.monotonic() + 10
+    while any(core.known_attr(f"/root/c{c:02d}") is None for c in range(12)):
+        assert time.monotonic() < deadline, "the subdirectories were never stat'ed"
+        time.sleep(0.01)
+    assert core.known_attr("/root/readme") is None   # files wait for their own lookup
+    assert source.calls["stat"] == 12
+    core.close()

@@ -226,6 +226,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--coverage", action="store_true",
                    help="how much of PATH is cached, per tier, in files and bytes: is my dataset warm yet? "
                         "(looks blocks up in the tiers' indexes; reads nothing)")
+    s.add_argument("--exact", action="store_true",
+                   help="with --coverage: also stat, on the source, the files cachefs never looked up, so that "
+                        "the byte totals count them (a request per such file, 16 at a time)")
 
     w = sub.add_parser("warm", help="load files into a mount's cache ahead of training",
                        description="Load PATHs (files or directories on a cachefs mount) into the cache, in the "
@@ -340,9 +343,14 @@ def format_stats(snap: dict[str, Any]) -> str:
 def format_coverage(report: dict[str, Any], where: str) -> str:
     """The human table of `cachefs stats PATH --coverage`."""
     files, size = report["files"], report["bytes"]
-    lines = [f"coverage of {where}: {files} files, {format_size(size)} ({report['elapsed_s']:.1f}s"
+    unknown = report.get("unknown_size", 0)
+    lines = [f"coverage of {where}: {files} files, {format_size(size)} in {report.get('directories', 0)} "
+             f"directories ({report['elapsed_s']:.1f}s"
              + (f", {report['errors']} could not be read" if report.get("errors") else "") + ")",
              f"{'tier':<8}{'files':>12}{'':>9}{'bytes':>12}{'':>9}"]
+    if unknown:
+        lines.insert(1, f"{unknown} files never looked up are not cached; their bytes are not in the totals "
+                        "(--exact stats them on the source)")
     for tier, label in (("ram", "ram"), ("disk", "disk"), ("cached", "either")):
         t = report[tier]
         lines.append(f"{label:<8}{t['files']:>12}{_share(t['files'], files):>9}"
@@ -398,10 +406,11 @@ def _cmd_coverage(args: argparse.Namespace) -> int:
     mp, rel = mount_of(args.mountpoint)
 
     def line(reply: dict[str, Any]) -> str:
-        return (f"{reply['files']} files, {format_size(reply['bytes'])} looked at, "
-                f"{_share(reply['cached']['bytes'], reply['bytes'])} cached, {reply['elapsed_s']:.0f}s")
+        return (f"{reply['directories']} directories, {reply['files']} files, {format_size(reply['bytes'])} "
+                f"looked at, {_share(reply['cached']['bytes'], reply['bytes'])} cached, {reply['elapsed_s']:.0f}s")
 
-    final = _follow_request(mp, {"op": "coverage", "path": rel}, f"coverage of {args.mountpoint}", line)
+    final = _follow_request(mp, {"op": "coverage", "path": rel, "exact": args.exact},
+                            f"coverage of {args.mountpoint}", line)
     print(json.dumps(final, indent=2, sort_keys=True) if args.json else format_coverage(final, args.mountpoint))
     return 0
 
@@ -456,6 +465,8 @@ def _cmd_watch(args: argparse.Namespace) -> int:
 def _cmd_stats(args: argparse.Namespace) -> int:
     from cachefs.mounttable import cachefs_mounts, read_control
 
+    if args.exact and not args.coverage:
+        raise CachefsError("--exact goes with --coverage")
     if args.coverage:
         if args.mountpoint is None:
             raise CachefsError("--coverage needs a PATH on a cachefs mount")

@@ -76,14 +76,17 @@ SOURCE_DOWN_AFTER = 3
 # seconds and more than LISTING_CHEAP_STAT each on average, the rest come without
 # attributes (looked up on demand, as reading the store directly would), and the
 # listings of that source bring none, but for one stat every LISTING_PROBE_EVERY seconds:
-# one faster than LISTING_SLOW_STAT means stats are cheap again. After a restart, the
-# check of a directory against the index needs every entry's attributes: those the
-# listing did not bring are fetched LISTING_STAT_WORKERS at a time.
+# one faster than LISTING_SLOW_STAT means stats are cheap again. The subdirectories a
+# listing names without attributes are stat'ed ahead in the background (a walk looks them
+# up next), at most LISTING_DIR_STATS waiting. After a restart, the check of a directory
+# against the index needs every entry's attributes: those the listing did not bring are
+# fetched too. Both LISTING_STAT_WORKERS at a time.
 LISTING_STAT_BUDGET = 0.002
 LISTING_CHEAP_STAT = 200e-6
 LISTING_SLOW_STAT = 0.001
 LISTING_PROBE_EVERY = 1.0
 LISTING_STAT_WORKERS = 16
+LISTING_DIR_STATS = 256
 
 # RAM tier (bytes): a quarter of physical memory, at most 4 GiB, unless --ram-size says.
 DEFAULT_RAM_FRACTION = 0.25

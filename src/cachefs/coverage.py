@@ -1,9 +1,13 @@
 """Coverage: how much of a subtree is cached, per tier, in files and bytes.
 
 The answer to "is my dataset warm yet". It walks the subtree depth first in sorted order
-through the core's metadata cache (so a tree listed once costs the source nothing again)
-and looks every block of every regular file up in each tier's index: no block is read,
-nothing is fetched, and no access is counted by a policy.
+through the core's metadata cache (so a tree listed once costs the source nothing again,
+and one never listed a request per directory) and looks every block of every regular file
+up in each tier's index: no block is read, nothing is fetched, and no access is counted by
+a policy. A file's identity (size, mtime) comes from what the daemon knows: its listing,
+its last lookup, or the NVMe tier's index. A file known to none of them was never cached
+(or only in RAM, longer ago than --metadata-ttl): it counts as uncached, and its bytes are
+unknown ("unknown_size") unless `exact` has such files stat'ed on the source, in parallel.
 
 A file counts as cached in a tier when all its blocks are there; "cached" (any tier)
 when each block is in RAM or on NVMe. The kernel's page cache is a further tier that
@@ -18,59 +22,80 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from cachefs.blocks import block_extent, block_key
+from cachefs.blocks import FileId, block_extent, block_key
 
 if TYPE_CHECKING:
     from cachefs.core import Core
+    from cachefs.source import Attr
 
 TIERS = ("ram", "disk", "cached")
 
 
 def empty_report(path: str) -> dict[str, Any]:
-    report: dict[str, Any] = {"path": path, "files": 0, "bytes": 0, "errors": 0, "elapsed_s": 0.0}
+    report: dict[str, Any] = {"path": path, "files": 0, "bytes": 0, "errors": 0, "elapsed_s": 0.0,
+                              "directories": 0, "unknown_size": 0}
     for tier in TIERS:
         report[tier] = {"files": 0, "bytes": 0}
     return report
 
 
 def coverage(core: Core, path: str, progress: Callable[[dict[str, Any]], None] | None = None,
-             every: float = 0.5, clock: Callable[[], float] = time.monotonic) -> dict[str, Any]:
+             every: float = 0.5, clock: Callable[[], float] = time.monotonic,
+             exact: bool = False) -> dict[str, Any]:
     """The coverage report of `path` (a file or a directory of the mount, "/"-rooted).
 
     `progress`, if given, is called with the report so far at most every `every` seconds.
+    `exact`: files the daemon knows nothing of are stat'ed on the source (see above).
     Raises OSError (ENOENT, ...) if `path` itself cannot be looked up; errors further down
     are counted in "errors" and the walk goes on.
     """
     report = empty_report(path)
     start = last = clock()
     root = core.getattr(path)  # a missing root is the caller's error, not a count
-    todo: list[tuple[str, bool]] = [(path, root.is_dir)]
-    while todo:
-        current, is_dir = todo.pop()
-        try:
-            if is_dir:
-                entries = sorted(core.readdir(current), key=lambda e: e.name, reverse=True)
-                base = current.rstrip("/")
-                for e in entries:  # pushed in reverse: popped in sorted order
-                    if stat_mod.S_ISDIR(e.type_mode):
-                        todo.append((f"{base}/{e.name}", True))
-                    elif stat_mod.S_ISREG(e.type_mode):
-                        todo.append((f"{base}/{e.name}", False))
-            else:
-                _count_file(core, current, report)
-        except OSError:
-            report["errors"] += 1
+    if not root.is_dir:
+        if root.is_file:
+            _count_file(core, path, root, report)
+        report["elapsed_s"] = round(clock() - start, 3)
+        return report
+    def tick() -> None:
+        nonlocal last
         now = clock()
         if progress is not None and now - last >= every:
             last = now
             report["elapsed_s"] = round(now - start, 3)
             progress(dict(report, **{t: dict(report[t]) for t in TIERS}))
+
+    todo = [path]
+    while todo:
+        current = todo.pop()
+        try:
+            entries = sorted(core.readdir(current), key=lambda e: e.name)
+        except OSError:
+            report["errors"] += 1
+            continue
+        report["directories"] += 1
+        base = current.rstrip("/")
+        files = [f"{base}/{e.name}" for e in entries if stat_mod.S_ISREG(e.type_mode)]
+        todo.extend(f"{base}/{e.name}" for e in reversed(entries) if stat_mod.S_ISDIR(e.type_mode))
+        tick()
+        attrs = core.attrs_of(files, fetch=exact)
+        for file in files:
+            _count_file(core, file, attrs.get(file), report)
+            tick()
     report["elapsed_s"] = round(clock() - start, 3)
     return report
 
 
-def _count_file(core: Core, path: str, report: dict[str, Any]) -> None:
-    fid = core.file_id(path)
+def _count_file(core: Core, path: str, attr: Attr | None, report: dict[str, Any]) -> None:
+    report["files"] += 1
+    if attr is None:  # never looked up, not in the index: nothing of it is cached
+        report["unknown_size"] += 1
+        return
+    if not attr.is_file:  # changed into something else since it was listed
+        report["errors"] += 1
+        report["files"] -= 1
+        return
+    fid = FileId(path, attr.size, attr.mtime_ns, attr.ctime_ns)
     bs = core.block_size
     blocks = -(-fid.size // bs)
     ram, disk = core.cache.ram, core.cache.disk
@@ -86,7 +111,6 @@ def _count_file(core: Core, path: str, report: dict[str, Any]) -> None:
                 held[tier] += length
             else:
                 whole[tier] = False
-    report["files"] += 1
     report["bytes"] += fid.size
     for tier in TIERS:
         report[tier]["bytes"] += held[tier]

@@ -129,7 +129,8 @@ def control_handlers(core) -> dict:  # type: ignore[no-untyped-def]
     def coverage_of(request: dict, send) -> dict:  # type: ignore[no-untyped-def]
         from cachefs.coverage import coverage
 
-        return coverage(core, str(request["path"]), progress=send, every=float(request.get("interval", 0.5)))
+        return coverage(core, str(request["path"]), progress=send, every=float(request.get("interval", 0.5)),
+                        exact=bool(request.get("exact", False)))
 
     return {"stats": stats, "warm": warm, "coverage": coverage_of, "ping": lambda request, send: {"pong": True}}
 
