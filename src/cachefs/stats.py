@@ -44,7 +44,7 @@ COUNTERS: tuple[str, ...] = (
     "disk.refused", "disk.no_room", "disk.checksum_failures", "disk.errors", "disk.scrubbed_bytes",
     "disk.suspensions", "disk.suspended_writes",
     "source.served_bytes", "source.bytes", "source.errors", "source.changed", "source.timeouts",
-    "source.down_events", "source.fast_failures", "source.partial_reads",
+    "source.down_events", "source.fast_failures", "source.partial_reads", "source.background_waits",
     "shared.hits", "shared.misses", "shared.bytes", "shared.served_bytes", "shared.puts", "shared.put_bytes",
     "shared.put_dropped", "shared.errors", "shared.checksum_failures", "shared.down_events",
     *(f"source.{op}" for op in SOURCE_OPS),
@@ -62,7 +62,7 @@ COUNTERS: tuple[str, ...] = (
 GAUGES: tuple[str, ...] = (
     "ram.used_bytes", "ram.capacity_bytes", "ram.entries", "ram.files",
     "disk.used_bytes", "disk.capacity_bytes", "disk.entries", "disk.files", "disk.suspended",
-    "source.down", "metadata.entries", "prefetch.queued", "prefetch.unused",
+    "source.down", "source.background_limit", "metadata.entries", "prefetch.queued", "prefetch.unused",
     "hint.sessions", "hint.pinned_bytes", "hint.queued", "opens.backing_files",
     "shared.servers_down", "shared.pending_bytes", "shared.servers",
 )
