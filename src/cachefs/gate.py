@@ -74,21 +74,8 @@ class SourceGate:
         """Around a request a reader waits for: never waits, and its latency steers the limit."""
         with self._cond:
             self._demand += 1
-        start = self._clock()
-        ok = False
-        try:
+        with self._timed(op, size, demand=True):
             yield
-            ok = True
-        finally:
-            took = self._clock() - start
-            with self._cond:
-                self._demand -= 1
-                self._last_demand = self._clock()
-                if ok:
-                    before = self.limit
-                    self._steer(self._floor((op, _size_class(size)), took), took)
-                    if self.limit > before:
-                        self._cond.notify(self.limit - before)
 
     @contextlib.contextmanager
     def background(self, op: str, size: int = 0, urgent: Callable[[], bool] | None = None,
@@ -107,6 +94,13 @@ class SourceGate:
                     self._cond.wait(max(0.001, self.idle - (self._clock() - self._last_demand))
                                     if self._demand == 0 else self.idle)
             self._background += 1
+        with self._timed(op, size, demand=False):
+            yield
+
+    @contextlib.contextmanager
+    def _timed(self, op: str, size: int, demand: bool) -> Iterator[None]:
+        """Around one request already counted in flight: its latency feeds its kind's floor
+        (and, for demand, the limit) unless it failed; then it leaves the count."""
         start = self._clock()
         ok = False
         try:
@@ -115,10 +109,18 @@ class SourceGate:
         finally:
             took = self._clock() - start
             with self._cond:
-                self._background -= 1
-                if ok:
-                    self._floor((op, _size_class(size)), took)
-                self._cond.notify()
+                floor = self._floor((op, _size_class(size)), took) if ok else 0.0
+                if not demand:
+                    self._background -= 1
+                    self._cond.notify()
+                else:
+                    self._demand -= 1
+                    self._last_demand = self._clock()
+                    before = self.limit
+                    if ok:
+                        self._steer(floor, took)
+                    if self.limit > before:
+                        self._cond.notify(self.limit - before)
 
     def wake(self) -> None:
         """Something a waiting guess's urgent() reads has changed."""
