@@ -450,3 +450,25 @@ def test_a_blocked_request_hands_its_place_to_another_thread(kernel, session):
     kernel.ours.shutdown(socket.SHUT_RDWR)  # the kernel goes away: every thread ends
     session.wait(poll=0.05)
     assert session.stopped
+
+
+def test_past_max_threads_waiting_a_request_that_would_wait_is_refused_and_the_rest_answered(kernel):
+    fs = FakeFS()
+    s = Session(kernel.fd, fs, readers=1, max_threads=3, clone=False)   # two may wait, one reads
+    fs.session = s
+    kernel.init()
+    s.negotiate()
+    kernel.reply()
+    s.start()
+    slow = [kernel.send(p.READ, p.READ_IN.pack(1, 0, 5, 0, 0, 0, 0), nodeid=42) for _ in range(3)]
+    fast = kernel.send(p.LOOKUP, b"abc\0")
+    replies = {}
+    for _ in range(2):   # a READ waits in each of two threads; the third is refused
+        error, unique, _ = kernel.reply()
+        replies[unique] = error
+    assert replies == {slow[2]: -errno.EAGAIN, fast: 0}
+    assert s.busy_refusals == 1
+    fs.release_read.set()
+    assert sorted(kernel.reply()[1] for _ in range(2)) == slow[:2]
+    kernel.ours.shutdown(socket.SHUT_RDWR)
+    s.wait(poll=0.05)

@@ -122,8 +122,12 @@ BACKING_CACHE = 16384
 # workers plus kernel read-ahead need more than 10). More readers than this only fight
 # over the interpreter: measured on 2,000 cached files with 8 readers, daemon CPU per file
 # 0.08 ms with 1 thread, 0.1 with 2-3, 0.15 with 4, 0.2 with 8 (cachefs/fuse/session.py).
+# Once FUSE_MAX_THREADS threads exist and all but the last FUSE_READERS wait (a store that
+# stopped answering under a job with many readers), a request that would wait too is
+# refused with EAGAIN, so that those readers keep answering what needs no wait: the
+# kernel's requests for cached files.
 FUSE_READERS = 2
-FUSE_MAX_THREADS = 32
+FUSE_MAX_THREADS = 64
 
 # Seconds a daemon told to stop (SIGTERM, SIGINT, SIGHUP) keeps serving files that are
 # still open after its lazy unmount, before it exits (and the kernel fails what is left).

@@ -16,6 +16,7 @@ Kernel-side caching does the heavy lifting for a warm epoch:
 from __future__ import annotations
 
 import collections
+import contextlib
 import errno
 import functools
 import itertools
@@ -26,7 +27,7 @@ import queue
 import stat as stat_mod
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 from cachefs.blocks import FileId
@@ -57,7 +58,6 @@ XATTR_STATS = CONTROL_PREFIX + "stats"
 XATTR_INFO = CONTROL_PREFIX + "info"
 
 # Locks the opens of a node take (striped by node id): one open of a file at a time
-NODE_LOCKS = 64
 
 # extended attributes only root may read (the daemon may run as root for another user)
 _PRIVILEGED_XATTRS = ("trusted.",)
@@ -107,6 +107,44 @@ class ErrorLog:
             while len(self._warned) > self.max_paths:
                 self._warned.popitem(last=False)
             return logging.WARNING, None
+
+
+class _NodeLocks:
+    """A lock per node while opens or releases of it are in progress: the opens of one node
+    are served one at a time (see _open_passthrough), and those of different nodes never
+    wait for each other. (Striped locks made 30 readers of different uncached files wait
+    on each other's fetches from a stopped source.) A thread that must wait gives its
+    place as a request reader to another (`blocking`), so waiting opens never stop the
+    session from reading the kernel's requests."""
+
+    def __init__(self) -> None:
+        self._locks: dict[int, list[Any]] = {}  # node id -> [lock, threads holding or waiting]
+        self._mutex = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, nodeid: int, blocking: Callable[[], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
+        with self._mutex:
+            entry = self._locks.get(nodeid)
+            if entry is None:
+                entry = self._locks[nodeid] = [threading.Lock(), 0]
+            entry[1] += 1
+        lock: threading.Lock = entry[0]
+        try:
+            if not lock.acquire(blocking=False):
+                with blocking():
+                    lock.acquire()
+            try:
+                yield
+            finally:
+                lock.release()
+        finally:
+            with self._mutex:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._locks[nodeid]
+
+    def __len__(self) -> int:
+        return len(self._locks)
 
 
 class _NodeOpen:
@@ -312,6 +350,9 @@ def _fuse_op(fn: F) -> F:
             code = exc.errno
             if code in _QUIET_ERRNOS:
                 raise
+            if code == errno.EAGAIN:  # refused while too many wait on the source: the session warned
+                self.core.stats.add_many({"fuse.errors": 1, "fuse.busy_refusals": 1})
+                raise
             self.core.stats.incr("fuse.errors")
             self._log_error(name, self.nodes._paths.get(nodeid), exc, code)
             raise
@@ -337,7 +378,7 @@ class CachefsFS(Operations):
         self.want_passthrough = config.passthrough != "off" and config.zero_message_open
         self.passthrough = False  # decided once the kernel has answered INIT (start_serving)
         self._opens: dict[int, _NodeOpen] = {}  # node id -> how its open files are served
-        self._open_locks = [threading.Lock() for _ in range(NODE_LOCKS)]
+        self._node_locks = _NodeLocks()
         self._opens_lock = threading.Lock()
         self._refused_logged = False
         self._backings: _Backings | None = None
@@ -553,9 +594,10 @@ class CachefsFS(Operations):
         with self._node_lock(nodeid):
             return self._open_passthrough(nodeid, fid)
 
-    def _node_lock(self, nodeid: int) -> threading.Lock:
-        """The lock serializing the opens of one node (striped: one of NODE_LOCKS)."""
-        return self._open_locks[nodeid % NODE_LOCKS]
+    def _node_lock(self, nodeid: int) -> contextlib.AbstractContextManager[None]:
+        """The lock serializing the opens and releases of one node (see _NodeLocks)."""
+        session = self.session
+        return self._node_locks.hold(nodeid, session.blocking if session is not None else contextlib.nullcontext)
 
     def _open_passthrough(self, nodeid: int, fid: FileId) -> Opened:
         """One open in passthrough mode (the node's lock held). The kernel allows one

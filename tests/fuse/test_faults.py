@@ -304,3 +304,55 @@ def test_a_failing_cache_disk_is_a_pass_through_for_the_reader(tmp_path, small_d
     fault_report(f"cache disk {fault} under the daemon" + (" (ext4 errors=remount-ro)" if fault == "read-only" else ""),
                  f"{2 * len(files)} reads, all exact, no error; one warning in the log",
                  f"disk.errors={s.get('errors', 0)}, suspensions=1, suspended_writes={s.get('suspended_writes', 0)}")
+
+
+@pytest.mark.parametrize("same_file", [True, False], ids=["one-uncached-file", "different-files"])
+def test_opens_waiting_on_a_stopped_source_never_stop_the_mount(tmp_path, mounts, fault_report, same_file):
+    """Opens of uncached files that wait on a store that stopped answering (any number of
+    them, of one file or of many) leave the session reading: a cached file still reads at
+    once. They used to wait for a node lock while counted as the session's readers, and
+    the mount froze until the source timeout."""
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(100):
+        (src / f"f{i:02d}").write_bytes(bytes([i]) * 20_000)
+    slow = mounts.slowfs(src, latency="0.1ms")
+    mp = mounts.cachefs(str(slow), extra=("--readahead", "off", "--source-timeout", "60"))
+    assert read(mp / "f00") == bytes([0]) * 20_000                   # cached
+    for i in range(1, 100):
+        os.stat(mp / f"f{i:02d}")                                    # looked up, not read
+    server = mounts.procs[-1]
+    server.send_signal(signal.SIGSTOP)
+    readers = []
+    try:
+        wait_stopped(server.pid)
+        # more files than the 64 lock stripes there were: some shared one
+        names = ["f01"] * 3 if same_file else [f"f{i:02d}" for i in range(1, 100)]
+        for name in names:
+            t = threading.Thread(target=read_errno, args=(mp / name,), daemon=True)
+            t.start()
+            readers.append(t)
+        time.sleep(1.0)                                              # they wait on the store
+        done = threading.Event()
+        got = []
+
+        def cached_read():
+            drop_pages(mp / "f00")
+            got.append(read(mp / "f00"))
+            done.set()
+
+        start = time.monotonic()
+        threading.Thread(target=cached_read, daemon=True).start()
+        finished = done.wait(20)                                     # the bug: 58 s (the timeout)
+        took = time.monotonic() - start
+        assert finished and got == [bytes([0]) * 20_000], f"the cached read waited {took:.1f} s"
+        refused = stats(mp)["fuse"]["busy_refusals"]
+        assert (refused == 0) if same_file else (refused > 0)   # 99 waiting: past the 64 threads
+        fault_report(f"{len(names)} opens of {'one uncached file' if same_file else 'different uncached files'} "
+                     "waiting on a stopped source (passthrough as the mode allows)",
+                     f"a cached file read in {took:.2f} s; {refused} opens refused with EAGAIN",
+                     f"fuse.busy_refusals={refused}")
+    finally:
+        server.send_signal(signal.SIGCONT)
+    for t in readers:
+        t.join(30)

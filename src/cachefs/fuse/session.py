@@ -215,6 +215,7 @@ class Session:
         # got an error although the file system answered. Counted and logged by the owner.
         self.on_reply_failed = on_reply_failed
         self.reply_failures = 0
+        self.busy_refusals = 0  # waits refused because max_threads were waiting (see blocking)
         self.trace = False  # log every request, its caller and its outcome (--debug-fuse)
         self.conn = Connection(max_read=max_read)
         self._clone = clone
@@ -314,11 +315,21 @@ class Session:
     @contextlib.contextmanager
     def blocking(self) -> Iterator[None]:
         """Around work that may wait (a source request): another thread reads meanwhile.
-        A no-op outside the session's own threads."""
+        A no-op outside the session's own threads. When `max_threads` wait already and this
+        is one of the last `readers`, the wait is refused (FuseError EAGAIN, counted in
+        `busy_refusals`) instead: a wait of any kind never stops the session from reading,
+        so the requests that need no wait (cached files) are still answered."""
         if not getattr(self._local, "serving", False):
             yield
             return
         with self._cond:
+            if (self._active - 1 < self.readers and not self._parked and len(self._workers) >= self.max_threads
+                    and not self._stopped.is_set()):
+                self.busy_refusals += 1
+                if self.busy_refusals == 1 or self.busy_refusals % 1000 == 0:
+                    log.warning("%d requests wait on the source at once; more that would wait are refused "
+                                "with EAGAIN until some finish (%d so far)", self.max_threads, self.busy_refusals)
+                raise FuseError(errno.EAGAIN)
             self._active -= 1
             if self._active < self.readers and not self._stopped.is_set():
                 if self._parked:
