@@ -188,10 +188,12 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     """
     from cachefs import fuse
     from cachefs.control import ControlServer, address_for
+    from cachefs.directio import raise_descriptor_limit
     from cachefs.fs import CachefsFS
 
     os.umask(0o077)  # every file the daemon creates (cache blocks, logs) is private
     _limit_malloc_arenas()
+    log.info("file descriptors: up to %d (the caches of open files take a share of it)", raise_descriptor_limit())
     prepare_cache_dir(config)
     core = build_core(config)
     control = ControlServer(address_for(config.mountpoint), control_handlers(core), streams=control_streams(core))

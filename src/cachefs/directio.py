@@ -11,19 +11,27 @@ block files only crowds the job's pages out. Measured with tools/torchbench.py h
 hinted epoch about 10% faster, the plain one unchanged.
 
 Both also keep descriptors open between reads (DescriptorCache): big source files between
-block reads, NVMe entry files between reads of them.
+block reads, NVMe entry files between reads of them. Each cache holds at most a share of
+the process's descriptor limit (RLIMIT_NOFILE, read as it is now: `prlimit` can lower it
+under a running daemon), and every cache gives its descriptors back when an open fails for
+want of one (trim_descriptors).
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import mmap
 import os
+import resource
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
 
 ALIGN = 4096  # O_DIRECT wants buffers, offsets and lengths aligned to the logical block
 
@@ -92,17 +100,65 @@ def read_file(path: str, direct: bool) -> bytes:
         os.close(fd)
 
 
+log = logging.getLogger(__name__)
+
+OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)
+
+_caches: weakref.WeakSet[DescriptorCache] = weakref.WeakSet()  # type: ignore[type-arg]
+
+
+def descriptor_limit() -> int:
+    """The process's soft RLIMIT_NOFILE now (a large number where it is unlimited)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft if soft != resource.RLIM_INFINITY else 1 << 20
+
+
+def raise_descriptor_limit() -> int:
+    """Raise the soft descriptor limit to the hard one (a daemon's caches are sized from
+    it; 1,024 is many distributions' default soft limit); return the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (OSError, ValueError):
+            pass
+    return descriptor_limit()
+
+
+def trim_descriptors() -> int:
+    """Close every descriptor every cache keeps (an open failed for want of one); return
+    how many were given back."""
+    return sum(cache.trim() for cache in list(_caches))
+
+
+def retrying(fn: Callable[..., T], *args: object) -> T:
+    """fn(*args), and once more after trim_descriptors() if it failed for want of a
+    descriptor and the caches gave some back."""
+    try:
+        return fn(*args)
+    except OSError as exc:
+        if exc.errno not in OUT_OF_DESCRIPTORS or not trim_descriptors():
+            raise
+    return fn(*args)
+
+
 class DescriptorCache(Generic[K]):
     """An LRU of open read descriptors, by key (an NVMe entry's name, a source file
     version): get() hands out a dup for the caller to close, made under the lock, so that
     another thread's eviction can never close or reuse the descriptor a read goes through.
+    It keeps at most `limit`, and at most 1/`share` of the process's descriptor limit.
     """
 
-    def __init__(self, opener: Callable[[K], int], limit: int):
+    def __init__(self, opener: Callable[[K], int], limit: int, share: int = 8):
         self._open = opener
         self._fds: OrderedDict[K, int] = OrderedDict()
         self._limit = limit
+        self._share = share
         self._lock = threading.Lock()
+        _caches.add(self)
+
+    def room(self) -> int:
+        return max(1, min(self._limit, descriptor_limit() // self._share))
 
     def get(self, name: K) -> int:
         with self._lock:
@@ -110,7 +166,8 @@ class DescriptorCache(Generic[K]):
             if fd is not None:
                 self._fds.move_to_end(name)
                 return os.dup(fd)  # the caller closes its own: an eviction cannot pull it away
-        fd = self._open(name)
+        fd = retrying(self._open, name)
+        room = self.room()
         with self._lock:  # the dup under the lock: another thread may close what it holds
             kept = self._fds.get(name)
             if kept is not None:  # opened meanwhile by another thread: keep that one
@@ -118,11 +175,23 @@ class DescriptorCache(Generic[K]):
                 mine = os.dup(kept)
             else:
                 self._fds[name] = fd
-                extra = [self._fds.popitem(last=False)[1] for _ in range(max(0, len(self._fds) - self._limit))]
+                extra = [self._fds.popitem(last=False)[1] for _ in range(max(0, len(self._fds) - room))]
                 mine = os.dup(fd)
         for x in extra:
             os.close(x)
         return mine
+
+    def trim(self) -> int:
+        """Close every kept descriptor; return how many."""
+        with self._lock:
+            fds = list(self._fds.values())
+            self._fds.clear()
+        for fd in fds:
+            os.close(fd)
+        return len(fds)
+
+    def __len__(self) -> int:
+        return len(self._fds)
 
     def forget(self, name: K) -> None:
         with self._lock:
@@ -131,8 +200,4 @@ class DescriptorCache(Generic[K]):
             os.close(fd)
 
     def close(self) -> None:
-        with self._lock:
-            fds = list(self._fds.values())
-            self._fds.clear()
-        for fd in fds:
-            os.close(fd)
+        self.trim()

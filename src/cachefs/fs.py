@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from cachefs.blocks import FileId
 from cachefs.config import BACKING_CACHE, Config
 from cachefs.core import Core
+from cachefs.directio import OUT_OF_DESCRIPTORS, descriptor_limit, trim_descriptors
 from cachefs.errors import to_errno
 from cachefs.fuse import protocol as p
 from cachefs.fuse.session import (
@@ -345,7 +346,15 @@ def _fuse_op(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(self: CachefsFS, req: Request | None, nodeid: int, *args: Any) -> Any:
         try:
-            return fn(self, req, nodeid, *args)
+            try:
+                return fn(self, req, nodeid, *args)
+            except OSError as exc:
+                # Out of descriptors: the caches give theirs back, and the request is tried
+                # once more (a low `ulimit -n` must not leave every open failing).
+                if exc.errno not in OUT_OF_DESCRIPTORS:
+                    raise
+                self._out_of_descriptors(exc)
+                return fn(self, req, nodeid, *args)
         except FuseError as exc:
             code = exc.errno
             if code in _QUIET_ERRNOS:
@@ -393,10 +402,21 @@ class CachefsFS(Operations):
         self._next_fh = itertools.count(1)
         self._changed: queue.Queue[str] = queue.Queue()
         self._errors = ErrorLog()
+        self._fd_warned = -1e18
         self._ttl = config.metadata_ttl
         self._valid = p.split_timeout(config.metadata_ttl)
         self._negative_ttl = config.negative_ttl
         core.on_source_changed = self._source_changed
+
+    def _out_of_descriptors(self, exc: OSError) -> None:
+        given = trim_descriptors()
+        self.core.stats.incr("fuse.descriptor_trims")
+        now = time.monotonic()
+        if now - self._fd_warned > 60:
+            self._fd_warned = now
+            log.warning("out of file descriptors (%s; limit %d): gave back %d cached ones and retried; "
+                        "raise the limit (ulimit -n, LimitNOFILE=) for a cache that keeps more open",
+                        exc.strerror, descriptor_limit(), given)
 
     def _log_error(self, op: str, path: str | None, exc: BaseException, code: int) -> None:
         if code == errno.ETIMEDOUT and self.core.source_down:

@@ -168,7 +168,7 @@ class LocalSource:
         self._direct = hasattr(os, "O_DIRECT")
         # big source files kept open between block reads (see _read_range)
         self._kept: DescriptorCache[tuple[FileId, bool]] = DescriptorCache(
-            lambda key: self._open_file(key[0].path, key[1]), KEPT_FILES)
+            lambda key: self._open_file(key[0].path, key[1]), KEPT_FILES, share=16)
         self._root_fd = root_fd
         self._root_lock = threading.Lock()
         self._openat2 = _syscall is not None and os.uname().sysname == "Linux"

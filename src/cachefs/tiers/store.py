@@ -113,7 +113,7 @@ class FileStore:
         self._entries: dict[bytes, Entry] = {}
         self._lock = threading.RLock()
         self._direct = direct and self._probe_direct()
-        self._fds = DescriptorCache(self._open_read, FD_CACHE)
+        self._fds = DescriptorCache(self._open_read, FD_CACHE, share=8)
         self.on_evict: Callable[[BlockKey], None] | None = None  # told of every evicted block
         self.on_drop: list[Callable[[bytes], None]] = []  # told of every entry dropped whole
         self.read_latency = 0.0  # seconds: moving average of a block read that hit
