@@ -278,6 +278,40 @@ def test_the_scrub_finds_bit_rot_in_a_trusted_block(disk):
     assert stats.get("disk.scrubbed_bytes") == 50_000
 
 
+@pytest.mark.parametrize("path", ["scrub", "read"])
+def test_a_block_evicted_or_rewritten_while_it_is_checked_is_a_miss_not_corruption(disk, monkeypatch, path):
+    """The scrub (and a first read after a restart) reads a block, then compares it with its
+    hash; an eviction in between punches or unlinks the file, and the bytes read are short
+    or zeros. That once counted as a checksum failure on a healthy cache (and dropped the
+    entry that had taken the name)."""
+    from cachefs.tiers import disk as disk_mod
+    from cachefs.tiers import store as store_mod
+
+    stats = Stats()
+    t = disk(stats=stats)
+    t._direct = False                      # reads through pread, patched below
+    put(t, 1, os.urandom(50_000))
+    if path == "read":
+        t.entry(eid(1)).unverified = {0}   # as after a restart: the first read checks it
+    real = store_mod.pread
+
+    def evicted_meanwhile(fd, offset, length):
+        t.discard((eid(1), 0))             # another thread's eviction
+        put(t, 1, os.urandom(50_000))      # and the entry cached anew under its name
+        return bytes(length)
+
+    monkeypatch.setattr(store_mod, "pread", evicted_meanwhile)
+    monkeypatch.setattr(disk_mod, "pread", evicted_meanwhile)
+    if path == "scrub":
+        t._check_block((eid(1), 0))
+    else:
+        assert t.get((eid(1), 0)) is None  # a miss
+    monkeypatch.setattr(store_mod, "pread", real)
+    monkeypatch.setattr(disk_mod, "pread", real)
+    assert stats.get("disk.checksum_failures") == 0
+    assert t.entry(eid(1)) is not None and len(t.get((eid(1), 0))) == 50_000   # the new one stays
+
+
 def test_damaged_index_lines_cost_their_blocks_not_the_mount(disk, caplog):
     t = disk()
     for n in range(10):

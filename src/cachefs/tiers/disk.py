@@ -494,7 +494,8 @@ class DiskTier(FileStore):
             return 0
         self._stats.incr("disk.scrubbed_bytes", len(data))
         if len(data) != length or block_hash(data) != expected:
-            self._failed_check(key, "found by the scrub")
+            if self._unchanged(e, key, expected):  # not evicted or rewritten while it was read
+                self._failed_check(key, "found by the scrub")
         else:
             self._verified(e, i)
         return length

@@ -241,7 +241,8 @@ class FileStore:
             return None
         want = hi - lo if part else length
         if len(data) != want or (check and block_hash(data) != expected):
-            self._failed_check(key, "short" if len(data) != want else "checksum mismatch")
+            if self._unchanged(e, key, expected):
+                self._failed_check(key, "short" if len(data) != want else "checksum mismatch")
             return None
         if check:
             self._verified(e, index)
@@ -260,6 +261,14 @@ class FileStore:
     def _read_failed(self, key: BlockKey, exc: OSError) -> None:
         log.debug("reading cached block of %s failed: %s", key[0].hex(), exc)
         self.discard(key)
+
+    def _unchanged(self, e: Entry, key: BlockKey, expected: object) -> bool:
+        """Whether the block read is still the tier's, as it was when the read began: an
+        entry evicted, punched or written anew meanwhile (another thread's eviction, a new
+        version) reads short or different, and that is a miss, not corruption."""
+        with self._lock:
+            now = self._entries.get(key[0])
+            return now is e and key[1] < len(e.hashes) and e.hashes[key[1]] == expected
 
     def _failed_check(self, key: BlockKey, why: str) -> None:
         self._stats.incr(f"{self.name}.checksum_failures")
