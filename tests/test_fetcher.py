@@ -4,6 +4,8 @@ threads when they are gone."""
 
 import errno
 import os
+import signal
+import time
 
 import pytest
 
@@ -72,11 +74,34 @@ def test_a_symlink_out_of_the_source_is_not_followed(pool, tmp_path):
 def test_a_dead_fetch_process_is_reported_not_waited_for(pool):
     src, _, fetchers = pool
     (src / "f").write_bytes(b"abc")
+    fetchers.RESTART_EVERY = 60.0
     for proc in fetchers.processes:
         proc.kill()
         proc.wait()
     with pytest.raises(FetchUnavailable):
         fetchers.fill("/f", BS, None, 5)
+
+
+def test_a_killed_fetch_process_is_reaped_at_once_and_started_again(pool):
+    """It stayed a zombie until the daemon exited, and its share of the work went to the
+    daemon for good."""
+    src, data_dir, fetchers = pool
+    (src / "f").write_bytes(b"abc")
+    fetchers.RESTART_EVERY = 0.2
+    old = fetchers.processes[0]
+    os.kill(old.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{old.pid}") or fetchers.restarts < 1:   # reaped, then replaced
+        assert time.monotonic() < deadline, "not reaped, or not started again"
+        time.sleep(0.02)
+    assert fetchers.processes[0].pid != old.pid and fetchers.processes[0].poll() is None
+    replies = []
+    for _ in range(4):   # the dead process's channels are set aside as they fail
+        try:
+            replies.append(fetchers.fill("/f", BS, None, 5)[0])
+        except FetchUnavailable:
+            replies.append("unavailable")
+    assert "stored" in replies and replies[-1] in ("stored", "exists") and fetchers.channels == 2
 
 
 def test_the_core_adopts_what_they_write_and_does_the_work_itself_without_them(tmp_path):
@@ -91,11 +116,12 @@ def test_the_core_adopts_what_they_write_and_does_the_work_itself_without_them(t
     core.fetchers = Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2)
     try:
         assert [core.prefetch_small(n)[0] for n in list(files)[:3]] == ["fetched"] * 3
+        core.fetchers.RESTART_EVERY = 60.0
         for proc in core.fetchers.processes:
             proc.kill()
             proc.wait()
+        # while they are started again, the core fetches in its own threads
         assert [core.prefetch_small(n)[0] for n in list(files)[3:]] == ["fetched"] * 3
-        assert core.fetchers is None  # gone: the core fetches in its own threads from now on
         for name, data in files.items():
             backing = core.cache.acquire_backing(core.entry_id(core.file_id(name)))
             assert backing is not None and open(backing.path, "rb").read() == data

@@ -47,6 +47,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from cachefs.blocks import FileId, entry_id
@@ -251,7 +252,12 @@ class FetchUnavailable(Exception):
 
 class Fetchers:
     """A pool of channels to `processes` worker processes. fill() may be called from any
-    thread; it holds a channel for one request."""
+    thread; it holds a channel for one request. Each process has a thread of the daemon's
+    waiting for it (blocked in wait(): no CPU): a process that dies is reaped at once, never
+    left a zombie, and started again (at most once per RESTART_EVERY seconds per process,
+    so that one that cannot start does not spin); its channels are replaced."""
+
+    RESTART_EVERY = 10.0
 
     def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int, processes: int,
                  channels: int, root_fd: int = -1, shared: str | None = None, shared_namespace: str = ""):
@@ -260,36 +266,75 @@ class Fetchers:
         self._free: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
         self._all: list[socket.socket] = []
         self._closed = False
-        self._lost = 0
         self._lock = threading.Lock()
         self._timeouts: dict[int, float | None] = {}
-        per = max(1, -(-channels // processes))
-        for _ in range(processes):
-            ours, theirs = [], []
-            for _ in range(per):
-                a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-                ours.append(a)
-                theirs.append(b)
-            cmd = [sys.executable, "-m", "cachefs.fetcher", "--root", root, "--data", data_dir,
-                   "--namespace", namespace.decode(), "--block-size", str(block_size),
-                   "--fds", ",".join(str(s.fileno()) for s in theirs), "--root-fd", str(root_fd)]
-            if shared:
-                cmd += ["--shared", shared, "--shared-namespace", shared_namespace]
-            try:
-                inherit = [s.fileno() for s in theirs] + ([root_fd] if root_fd >= 0 else [])
-                proc = subprocess.Popen(cmd, pass_fds=inherit, stdin=subprocess.DEVNULL,
-                                        env=_child_env())
-            finally:
-                for s in theirs:
-                    s.close()
-            self.processes.append(proc)
+        self.restarts = 0
+        self._restarting = 0  # processes that ended and are to be started again
+        self._per = max(1, -(-channels // processes))
+        self._cmd = [sys.executable, "-m", "cachefs.fetcher", "--root", root, "--data", data_dir,
+                     "--namespace", namespace.decode(), "--block-size", str(block_size), "--root-fd", str(root_fd)]
+        if shared:
+            self._cmd += ["--shared", shared, "--shared-namespace", shared_namespace]
+        self._root_fd = root_fd
+        for slot in range(processes):
+            self.processes.append(self._spawn())
+            threading.Thread(target=self._watch, args=(slot,), name=f"cachefs-fetcher-watch-{slot}",
+                             daemon=True).start()
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        ours, theirs = [], []
+        for _ in range(self._per):
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            ours.append(a)
+            theirs.append(b)
+        cmd = [*self._cmd, "--fds", ",".join(str(s.fileno()) for s in theirs)]
+        try:
+            inherit = [s.fileno() for s in theirs] + ([self._root_fd] if self._root_fd >= 0 else [])
+            proc = subprocess.Popen(cmd, pass_fds=inherit, stdin=subprocess.DEVNULL, env=_child_env())
+        except BaseException:
             for s in ours:
-                self._all.append(s)
-                self._free.put(s)
+                s.close()
+            raise
+        finally:
+            for s in theirs:
+                s.close()
+        with self._lock:
+            self._all.extend(ours)
+        for s in ours:
+            self._free.put(s)
+        return proc
+
+    def _watch(self, slot: int) -> None:
+        """Reap the slot's process when it ends, and start another unless closing."""
+        while True:
+            proc = self.processes[slot]
+            started = time.monotonic()
+            code = proc.wait()  # reaps it: no zombie
+            if self._closed:
+                return
+            log.warning("fetch process %d ended (exit status %s); starting another", proc.pid, code)
+            # its channels fail (EOF) when next used and are set aside then (_lose)
+            with self._lock:
+                self._restarting += 1
+            try:
+                time.sleep(max(0.0, self.RESTART_EVERY - (time.monotonic() - started)))
+                if self._closed:
+                    return
+                self.processes[slot] = self._spawn()
+            except OSError as exc:
+                log.warning("a fetch process could not be started (%s); the daemon fetches its share itself",
+                            exc.strerror or exc)
+                return
+            finally:
+                with self._lock:
+                    self._restarting -= 1
+            with self._lock:
+                self.restarts += 1
 
     @property
     def channels(self) -> int:
-        return len(self._all) - self._lost
+        """Channels that serve, or will once a process that ended has been started again."""
+        return len(self._all) + self._restarting * self._per
 
     def fill(self, path: str, limit: int, expect: FileId | None, timeout: float | None) -> tuple:  # type: ignore[type-arg]
         """One request (see the module's protocol). Raises OSError(ETIMEDOUT) after
@@ -304,9 +349,14 @@ class Fetchers:
         return self._call(("many", packed), timeout, requests[0][0] if requests else "")
 
     def _call(self, message: tuple, timeout: float | None, subject: str) -> tuple:  # type: ignore[type-arg]
-        if self._closed or self.channels <= 0:
-            raise FetchUnavailable
-        sock = self._free.get()
+        while True:  # a free channel; none at all while a process that ended is started again
+            if self._closed or not self._all:
+                raise FetchUnavailable
+            try:
+                sock = self._free.get(timeout=0.5)
+                break
+            except queue.Empty:
+                continue
         try:
             if timeout != self._timeouts.get(sock.fileno()):
                 _set_timeout(sock, timeout)
@@ -335,10 +385,8 @@ class Fetchers:
 
     def _lose(self, sock: socket.socket) -> None:
         with self._lock:
-            self._lost += 1
-            first = self._lost == 1
-        if first and not self._closed:
-            log.warning("a fetch process stopped answering; its files are fetched by the daemon itself")
+            if sock in self._all:
+                self._all.remove(sock)
         try:
             sock.close()
         except OSError:
@@ -346,7 +394,9 @@ class Fetchers:
 
     def close(self, timeout: float = 5.0) -> None:
         self._closed = True
-        for s in self._all:
+        with self._lock:
+            channels = list(self._all)
+        for s in channels:
             try:
                 s.shutdown(socket.SHUT_RDWR)
             except OSError:
