@@ -520,13 +520,15 @@ def _cmd_mount(args: argparse.Namespace) -> int:
 
 
 def _progress_line(p: dict[str, Any]) -> str:
-    total = max(p["files_total"], 1)
     elapsed = max(p["elapsed_s"], 1e-6)
     rate = p["bytes_loaded"] / elapsed
+    loaded = f"{format_size(p['bytes_loaded'])} loaded, {format_size(rate)}/s"
+    if not p.get("total_known", True):  # still counting: no share and no ETA of a total that grows
+        return f"warm: {p['files_done']} files so far of at least {p['files_total']} (counting), {loaded}"
+    total = max(p["files_total"], 1)
     files_rate = p["files_done"] / elapsed
     eta = (p["files_total"] - p["files_done"]) / files_rate if files_rate > 0 else 0
-    return (f"warm: {p['files_done']}/{p['files_total']} files ({p['files_done'] / total:.0%}), "
-            f"{format_size(p['bytes_loaded'])} loaded, {format_size(rate)}/s, ETA {eta:.0f}s")
+    return f"warm: {p['files_done']}/{p['files_total']} files ({p['files_done'] / total:.0%}), {loaded}, ETA {eta:.0f}s"
 
 
 def _cmd_warm(args: argparse.Namespace) -> int:
@@ -551,13 +553,17 @@ def _cmd_warm(args: argparse.Namespace) -> int:
         else:
             not_fit = final["files_total"] - final["files_done"] + final["files_no_room"]
             share = f" (shard {args.shard})" if args.shard else ""
-            print(f"cachefs: warmed {mp} {' '.join(rels)}{share} in {final['elapsed_s']:.1f}s: "
+            where = " ".join(os.path.join(mp, rel.lstrip("/")).rstrip("/") for rel in rels)
+            print(f"cachefs: warmed {where}{share} in {final['elapsed_s']:.1f}s: "
                   f"{final['files_loaded']} files loaded ({format_size(final['bytes_loaded'])}), "
                   f"{final['files_cached']} already cached, {not_fit} did not fit, {final['files_failed']} failed")
         if final.get("state") == "no_room":
             print("cachefs: the cache is full: raise --ram-size/--disk-size to hold the rest", file=sys.stderr)
             code = max(code, 1)
         if final.get("files_failed"):
+            code = max(code, 1)
+        if final.get("state") == "failed":
+            print(f"cachefs: warming stopped: {final.get('error')}", file=sys.stderr)
             code = max(code, 1)
     return code
 

@@ -104,6 +104,22 @@ def _drop_old_format(cache_dir: str) -> None:
                     "its files will be fetched again", old)
 
 
+def _paths_of(request: dict) -> list[str]:
+    """A request's "paths": a non-empty list of paths under the mount ("/"-rooted)."""
+    paths = request.get("paths")
+    if not isinstance(paths, list) or not paths or not all(isinstance(p, str) and p.startswith("/") for p in paths):
+        raise ValueError("paths must be a non-empty list of strings starting with /")
+    return paths
+
+
+def _interval_of(request: dict) -> float:
+    """A request's progress "interval" (seconds, 0.05 to 60; 0.5 if not given)."""
+    interval = request.get("interval", 0.5)
+    if type(interval) not in (int, float) or not 0.05 <= interval <= 60:
+        raise ValueError("interval must be a number of seconds from 0.05 to 60")
+    return float(interval)
+
+
 def control_handlers(core) -> dict:  # type: ignore[no-untyped-def]
     """What the control socket answers (see cachefs/control.py)."""
     from cachefs.control import follow
@@ -112,15 +128,19 @@ def control_handlers(core) -> dict:  # type: ignore[no-untyped-def]
         return core.stats.snapshot()
 
     def warm(request: dict, send) -> dict:  # type: ignore[no-untyped-def]
-        paths = [str(p) for p in request["paths"]]
         from cachefs import warm as warming
 
+        paths = _paths_of(request)
         shard = request.get("shard")
-        job = warming.start(core, paths, (int(shard[0]), int(shard[1])) if shard else None)
+        if shard is not None and not (isinstance(shard, list) and len(shard) == 2
+                                      and all(type(x) is int for x in shard) and 0 <= shard[0] < shard[1]):
+            raise ValueError("shard must be [RANK, WORLD] with 0 <= RANK < WORLD")
+        interval = _interval_of(request)
+        job = warming.start(core, paths, (shard[0], shard[1]) if shard else None)
         try:
-            follow(job.progress, lambda: job.done, send, float(request.get("interval", 0.5)))
+            follow(job.progress, lambda: job.done, send, interval)
             if core.shared is not None:  # done means the other nodes can read it
-                follow(job.progress, lambda: core.shared.drain(0.0), send, float(request.get("interval", 0.5)))
+                follow(job.progress, lambda: core.shared.drain(0.0), send, interval)
             result = job.progress()
         finally:
             warming.finish(core, job)  # a client that went away (Ctrl-C) stops its warm
@@ -129,8 +149,10 @@ def control_handlers(core) -> dict:  # type: ignore[no-untyped-def]
     def coverage_of(request: dict, send) -> dict:  # type: ignore[no-untyped-def]
         from cachefs.coverage import coverage
 
-        return coverage(core, str(request["path"]), progress=send, every=float(request.get("interval", 0.5)),
-                        exact=bool(request.get("exact", False)))
+        path = request.get("path")
+        if not isinstance(path, str) or not path.startswith("/"):
+            raise ValueError("path must be a string starting with /")
+        return coverage(core, path, progress=send, every=_interval_of(request), exact=request.get("exact") is True)
 
     return {"stats": stats, "warm": warm, "coverage": coverage_of, "ping": lambda request, send: {"pong": True}}
 

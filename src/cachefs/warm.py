@@ -17,6 +17,7 @@ the path under the source root, so every node splits the dataset alike.
 from __future__ import annotations
 
 import functools
+import logging
 import stat as stat_mod
 import threading
 import time
@@ -27,6 +28,8 @@ import xxhash
 
 from cachefs.readahead import DirectoryCursor
 
+log = logging.getLogger(__name__)
+
 if TYPE_CHECKING:
     from cachefs.core import Core
 
@@ -34,9 +37,14 @@ if TYPE_CHECKING:
 class WarmJob:
     def __init__(self, core: Core, roots: list[str], clock: Callable[[], float] = time.monotonic,
                  shard: tuple[int, int] | None = None):
+        if shard is not None:
+            rank, world = shard
+            if not (isinstance(rank, int) and isinstance(world, int) and 0 <= rank < world):
+                raise ValueError(f"shard must be RANK/WORLD with 0 <= RANK < WORLD, not {rank}/{world}")
         self._core = core
         self.roots = roots
         self.shard = shard
+        self.error: str | None = None  # why the job stopped, if something failed under it
         self._clock = clock
         self._lock = threading.Lock()
         self._stack: list[DirectoryCursor] = []
@@ -46,6 +54,7 @@ class WarmJob:
         self.finished: float | None = None
         self.cancelled = False
         self.files_total = 0
+        self.total_known = False  # the count of files to warm is complete (see _count_files)
         self.counts = {"files_done": 0, "files_loaded": 0, "files_cached": 0, "files_no_room": 0,
                        "files_failed": 0, "bytes_loaded": 0, "bytes_done": 0}
         self.no_room = False
@@ -76,6 +85,7 @@ class WarmJob:
                 self.files_total = max(self.files_total, total)
         with self._lock:
             self.files_total = total
+            self.total_known = not self.cancelled
 
     # -- the feeder ----------------------------------------------------------------------
 
@@ -96,7 +106,15 @@ class WarmJob:
                 else:
                     return None
                 self._in_flight += 1  # until listed or warmed: the job is not done meanwhile
-            task = self._visit(path)
+            try:
+                task = self._visit(path)
+            except Exception as exc:  # a bug must end the job, not leave it "running" forever
+                log.warning("warming stopped at %s: %s", path, exc)
+                with self._lock:
+                    self._in_flight -= 1
+                    self.error = f"{path}: {exc}"
+                    self.cancelled = True
+                return None
             if task is not None:
                 return path, task
             with self._lock:
@@ -173,10 +191,13 @@ class WarmJob:
         with self._lock:
             out: dict[str, Any] = dict(self.counts)
             out["files_total"] = max(self.files_total, out["files_done"])
+            out["total_known"] = self.total_known or done
         elapsed = ((self.finished if done and self.finished else self._clock()) - self.started)
-        out.update(state="no_room" if self.no_room and done else "cancelled" if self.cancelled and done
-                   else "done" if done else "running",
+        out.update(state="failed" if self.error and done else "no_room" if self.no_room and done
+                   else "cancelled" if self.cancelled and done else "done" if done else "running",
                    elapsed_s=round(elapsed, 3), roots=self.roots)
+        if self.error:
+            out["error"] = self.error
         if self.shard is not None:
             out["shard"] = list(self.shard)
         return out
