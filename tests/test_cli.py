@@ -1,6 +1,9 @@
 """Bad input: a one-line error, exit code 2, nothing mounted, nothing written."""
 
 import os
+import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -26,6 +29,7 @@ def listing(root):
     "mountpoint-inside-source", "source-inside-mountpoint", "cache-inside-source", "cache-inside-mountpoint",
     "cache-unwritable", "cache-is-file", "bad-block-size", "negative-prefetch-workers", "warm-without-workers",
     "log-file-in-source", "log-file-dir-missing", "log-file-fifo", "metrics-without-prometheus-client",
+    "disk-size-beyond-the-disk", "metrics-port-taken",
 ])
 def test_bad_mount_requests(case, tree, capsys, fault_report, monkeypatch):
     tmp, src, mp = tree
@@ -73,6 +77,13 @@ def test_bad_mount_requests(case, tree, capsys, fault_report, monkeypatch):
 
         monkeypatch.setitem(sys.modules, "prometheus_client", None)  # what an environment without it imports
         args["extra"] = ["--metrics-addr", "127.0.0.1:9"]
+    elif case == "disk-size-beyond-the-disk":
+        args["extra"] = ["--disk-size", "1000TiB"]    # mounted with a warning, reporting 1000 TiB
+    elif case == "metrics-port-taken":               # failed after the cache dir was made
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        args["extra"] = ["--metrics-addr", str(taken.getsockname()[1])]
     before = listing(tmp)
     code = main(["mount", str(args["src"]), str(args["mp"]), "--cache-dir", str(args["cache"]),
                  "--ram-size", "64MiB", "--disk-size", "64MiB", *args["extra"]])
@@ -107,6 +118,9 @@ def test_bad_mount_requests(case, tree, capsys, fault_report, monkeypatch):
     (["diagnose", "d", "--target", "-5"], "invalid --target"),
     (["diagnose", "d", "--transform", "sepia"], "invalid --transform"),
     (["diagnose", "d", "--seconds", "forever"], "invalid --seconds"),
+    (["mount", "s", "m", "--ram-size", "-5GiB"], "invalid --ram-size '-5GiB': must not be negative"),
+    (["mount", "s", "m", "--ramsize", "1G"], "did you mean --ram-size? (see cachefs mount --help)"),
+    (["stats", "m", "--jsn"], "did you mean --json? (see cachefs stats --help)"),
 ])
 def test_usage_errors_are_one_line_and_exit_2(argv, needle, capsys, fault_report):
     with pytest.raises(SystemExit) as info:
@@ -174,3 +188,46 @@ def test_warm_shard_must_be_rank_of_world(capsys):
         with pytest.raises(SystemExit) as info:
             main(["warm", "/x", f"--shard={bad}"])
         assert info.value.code == 2 and "invalid --shard" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to become another user")
+def test_a_source_the_user_cannot_reach_is_permission_denied_not_missing(tmp_path):
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from tests.helpers import as_user, portable_python
+
+    base = Path(tempfile.mkdtemp(prefix="cachefs-user-"))   # under /tmp: pytest's dirs are root's only
+    os.chmod(base, 0o755)
+    try:
+        _unreachable_source(base, as_user, portable_python)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _unreachable_source(base, as_user, portable_python):
+    python, env = portable_python(base)
+    locked = base / "locked"
+    (locked / "data").mkdir(parents=True)
+    os.chmod(locked, 0o700)                          # root's: nobody may not search it
+    mp = base / "mnt"
+    mp.mkdir()
+    os.chown(mp, 65534, 65534)
+    proc = as_user([python, "-m", "cachefs", "mount", str(locked / "data"), str(mp), "--cache-dir",
+                    str(base / "cache")], env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "permission denied" in proc.stderr and "does not exist" not in proc.stderr
+    assert proc.stderr.count("\n") == 1
+
+
+def test_ram_size_0_says_what_it_means_and_two_mounts_on_one_cache_dir_are_warned(tmp_path):
+    """Through `mount --check`: notices, nothing mounted."""
+    src = tmp_path / "src"
+    src.mkdir()
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "cachefs", "mount", str(src), str(mp), "--check",
+                           "--ram-size", "0", "--cache-dir", str(tmp_path / "c")], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "--ram-size 0: no RAM tier" in proc.stdout + proc.stderr

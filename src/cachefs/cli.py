@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -595,9 +597,38 @@ def _cmd_umount(args: argparse.Namespace) -> int:
     return 0
 
 
+def _negative_values_joined(argv: Sequence[str]) -> list[str]:
+    """`--ram-size -5GiB` as `--ram-size=-5GiB`: argparse takes a value that starts with '-'
+    for an option and says "expected one argument"; joined, the option's own check says
+    what is wrong with the value."""
+    out: list[str] = []
+    for token in argv:
+        if out and out[-1].startswith("--") and "=" not in out[-1] and re.match(r"-[0-9.]", token):
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
+
+
+def _unrecognized(parser: argparse.ArgumentParser, extra: list[str]) -> str:
+    """The error for arguments no option takes, with the closest options' names."""
+    options = [s for action in parser._actions for s in action.option_strings if s.startswith("--")]
+    hints = []
+    for token in extra:
+        if token.startswith("-"):
+            close = difflib.get_close_matches(token.split("=", 1)[0], options, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"did you mean {close[0]}?")
+    return f"unrecognized arguments: {' '.join(extra)}" + (f"; {' '.join(hints)}" if hints else "")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(_negative_values_joined(sys.argv[1:] if argv is None else argv))
+    if extra:  # said by the command's own parser, whose --help lists its options
+        commands_of = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+        command = commands_of.get(args.command or "", parser)
+        command.error(_unrecognized(command, extra))
     commands = {"mount": _cmd_mount, "stats": _cmd_stats, "umount": _cmd_umount, "unmount": _cmd_umount,
                 "warm": _cmd_warm, "diagnose": _cmd_diagnose}
     if args.command is None:

@@ -87,8 +87,16 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
     # Relative paths are the caller's: resolve them before anything (the daemon runs in /).
     config.cache_dir = os.path.abspath(os.path.expanduser(config.cache_dir))
     src = os.path.abspath(config.source)
-    if not os.path.exists(src):
-        raise CachefsError(f"source {config.source!r} does not exist")
+    try:
+        os.stat(src)
+    except PermissionError:
+        raise CachefsError(f"source {config.source!r} cannot be reached by this user: permission denied "
+                           "(a directory on its path is not searchable, or it is another user's FUSE or "
+                           "network mount)") from None
+    except FileNotFoundError:
+        raise CachefsError(f"source {config.source!r} does not exist") from None
+    except OSError as exc:
+        raise CachefsError(f"source {config.source!r} cannot be reached: {exc.strerror}") from None
     if not os.path.isdir(src):
         raise CachefsError(f"source {config.source!r} is not a directory")
     if not os.access(src, os.R_OK | os.X_OK):
@@ -144,6 +152,7 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         except ImportError:
             raise CachefsError("--metrics-addr needs prometheus-client in cachefs's environment: "
                                "pip install prometheus-client") from None
+        _check_port_free(config.metrics_addr)
     if not 4096 <= config.block_size <= 256 << 20 or config.block_size % 4096:
         raise CachefsError(f"block size {config.block_size} must be a multiple of 4 KiB between 4 KiB and 256 MiB")
     if config.metadata_ttl < 0 or config.negative_ttl < 0:
@@ -177,9 +186,22 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
     if config.disk_size and free < config.min_free:
         notices.append(f"warning: the cache disk has {format_size(free)} free, less than --min-free "
                        f"{format_size(config.min_free)}: the NVMe tier stores nothing until space is freed")
+    if config.disk_size and config.disk_size > usage.total - config.min_free:
+        raise CachefsError(f"--disk-size {format_size(config.disk_size)} is more than the cache disk can ever hold "
+                           f"({format_size(usage.total)}, {format_size(config.min_free)} of it kept free by "
+                           f"--min-free; {format_size(free)} free now)")
     if config.disk_size > free:
         notices.append(f"warning: --disk-size {format_size(config.disk_size)} is more than the "
-                       f"{format_size(free)} free on the cache disk")
+                       f"{format_size(free)} free on the cache disk: the NVMe tier holds what fits")
+    if config.ram_size == 0:
+        notices.append("note: --ram-size 0: no RAM tier of cachefs's own; what is read comes from the NVMe "
+                       "tier (and the kernel's page cache)" if config.disk_size else
+                       "note: --ram-size 0 and --disk-size 0: nothing is cached by cachefs; every read "
+                       "goes to the source (the kernel's page cache still keeps what fits)")
+    for other in _mounts_sharing(cache):
+        notices.append(f"warning: {other} uses this cache dir too: each daemon counts the other's files "
+                       "only from its next start, so together they can exceed --disk-size (give each "
+                       "mount its own --cache-dir)")
     if config.allow_other and os.getuid() != 0 and not _user_allow_other():
         raise CachefsError("--allow-other needs 'user_allow_other' in /etc/fuse.conf (or root)")
     if not os.path.exists("/dev/fuse"):
@@ -217,6 +239,37 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
 
     config.source, config.mountpoint, config.cache_dir = src, mp, cache
     return notices
+
+
+def _check_port_free(addr: str) -> None:
+    """--metrics-addr: the port must be free now (checked before the cache dir is made)."""
+    import socket
+
+    from cachefs.metrics import parse_metrics_addr
+
+    host, port = parse_metrics_addr(addr)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            raise CachefsError(f"--metrics-addr {addr}: cannot listen on {host}:{port}: {exc.strerror}") from None
+
+
+def _mounts_sharing(cache: str) -> list[str]:
+    """Other live cachefs mounts whose daemon uses the cache dir `cache`."""
+    from cachefs.mounttable import cachefs_mounts, read_control
+
+    out = []
+    for entry in cachefs_mounts():
+        try:
+            info = read_control(entry.mountpoint, "user.cachefs.info", timeout=2.0)
+        except (CachefsError, OSError, ValueError):
+            continue  # stale, hung or another user's: not ours to count
+        if info and os.path.realpath(str(info.get("cache_dir", ""))) == cache:
+            out.append(entry.mountpoint)
+    return out
 
 
 def _probe_cache_dir(cache: str) -> None:
