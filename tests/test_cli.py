@@ -221,7 +221,7 @@ def _unreachable_source(base, as_user, portable_python):
     assert proc.stderr.count("\n") == 1
 
 
-def test_ram_size_0_says_what_it_means_and_two_mounts_on_one_cache_dir_are_warned(tmp_path):
+def test_ram_size_0_says_what_it_means(tmp_path):
     """Through `mount --check`: notices, nothing mounted."""
     src = tmp_path / "src"
     src.mkdir()

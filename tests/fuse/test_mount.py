@@ -881,3 +881,16 @@ def test_counters_exactly_first_read_misses_second_read_hits(tmp_path, mounts):
     else:
         assert s2["ram"]["hits"] == 4 and s2["ram"]["misses"] == 4
     assert s2["ram"]["served_bytes"] == len(data)
+
+
+def test_a_second_mount_on_a_cache_dir_in_use_is_warned_of(tmp_path, mounts):
+    src = tmp_path / "src"
+    src.mkdir()
+    first = mounts.cachefs(str(src), name="one", cache_dir=tmp_path / "shared-cache")
+    other = tmp_path / "two"
+    other.mkdir()
+    proc = cli("mount", src, other, "--check", "--cache-dir", tmp_path / "shared-cache")
+    assert proc.returncode == 0, proc.stderr
+    assert f"{first} uses this cache dir too" in proc.stdout + proc.stderr
+    proc = cli("mount", src, other, "--check", "--cache-dir", tmp_path / "own-cache")
+    assert "uses this cache dir too" not in proc.stdout + proc.stderr
