@@ -16,7 +16,8 @@ def snapshots():
     clock.advance(2.0)
     s.add_many({"reads.requests": 100, "reads.bytes": 10_000_000, "ram.hits": 60, "ram.misses": 40,
                 "disk.hits": 30, "ram.served_bytes": 6_000_000, "disk.served_bytes": 3_000_000,
-                "source.bytes": 2_000_000, "source.read_range": 10, "prefetch.blocks": 4})
+                "source.served_bytes": 1_000_000, "source.bytes": 2_000_000, "source.read_range": 10,
+                "prefetch.blocks": 4})
     for _ in range(9):
         s.observe("source.read_range", 0.003)
     s.observe("source.read_range", 0.3)
@@ -34,6 +35,18 @@ def test_rates_of_an_interval():
     assert r["source_req_per_s"] == 5 and r["prefetch_per_s"] == 2
     assert 0.2 < r["source_p99_s"] <= 0.5         # the slow request, within its bucket
     assert r["ram_used_bytes"] == 5 << 20
+
+
+def test_files_the_kernel_reads_itself_count_under_passthrough():
+    """With passthrough the daemon sees an open per file and no read: reads/s and MB/s once
+    showed 0 during a DataLoader run while "ram MB/s" showed 18."""
+    clock = FakeClock()
+    s = Stats(clock=clock)
+    first = s.snapshot()
+    clock.advance(1.0)
+    s.add_many({"opens.passthrough": 200, "ram.served_bytes": 18_000_000})
+    r = rates(first, s.snapshot())
+    assert r["reads_per_s"] == 200 and r["read_mb_s"] == 18.0
 
 
 def test_an_idle_interval_has_no_hit_rate_and_a_restart_counts_from_zero():

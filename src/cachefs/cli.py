@@ -286,6 +286,17 @@ def _ms(seconds: float) -> str:
     return f"{ms:.2f} ms" if ms < 10 else f"{ms:.0f} ms"
 
 
+def _opens_line(info: dict[str, Any], opens: dict[str, Any]) -> str:
+    """How files are opened, and why not by passthrough where it is not."""
+    mode = info.get("opens", "?")
+    why = f" ({info['opens_why']})" if info.get("opens_why") else ""
+    if mode == "zero-message":
+        return f"opens      zero-message{why}: cached files are read from the kernel's page cache"
+    counts = (f": {opens.get('passthrough') or 0} passed through to a cached file, {opens.get('daemon') or 0} "
+              f"served by the daemon, {opens.get('filled') or 0} filled from the source first")
+    return f"opens      {mode}{why}{counts}"
+
+
 def format_stats(snap: dict[str, Any]) -> str:
     """The human table of `cachefs stats`."""
     info, ram, disk, src = snap.get("info", {}), snap.get("ram", {}), snap.get("disk", {}), snap.get("source", {})
@@ -325,8 +336,14 @@ def format_stats(snap: dict[str, Any]) -> str:
         f"{g(disk, 'refused')} refused (policy), "
         f"{g(disk, 'checksum_failures')} checksum failures, {g(disk, 'errors')} errors",
         f"requests   {g(fuse, 'read')} reads, {g(fuse, 'getattr')} getattrs, {g(fuse, 'readdir')} readdirs, "
-        f"{g(fuse, 'open')} opens reached the daemon",
+        f"{g(fuse, 'open')} opens reached the daemon; {g(fuse, 'errors')} errors",
+        _opens_line(info, snap.get("opens", {})),
     ]
+    hint = snap.get("hint", {})
+    if g(hint, "sessions_opened"):
+        lines.append(f"hints      {g(hint, 'sessions')} sessions open ({g(hint, 'sessions_opened')} in all), "
+                     f"{g(hint, 'paths')} paths: {g(hint, 'used')} used, {g(hint, 'expired')} expired, "
+                     f"{g(hint, 'from_source')} fetched from the source, {format_size(g(hint, 'pinned_bytes'))} pinned")
     shared = snap.get("shared", {})
     if shared.get("servers"):
         lines += [

@@ -598,13 +598,19 @@ class Core:
         # Written once: to NVMe where there is an NVMe tier (RAM takes it when it is opened
         # again and fits, see promote), else to RAM.
         to_ram = not self.fills_to_disk
-        parts = [self._block(fid, index, to_ram)[0] for index in range(block_count(fid.size, self.block_size))]
-        self.stats.incr("opens.filled")
+        got = [self._block(fid, index, to_ram) for index in range(block_count(fid.size, self.block_size))]
         found = cache.acquire_backing(eid)
-        if found is None:
-            data = parts[0] if len(parts) == 1 else b"".join(parts)
+        if found is None:  # the daemon serves the bytes (and counts them as it does: see cachefs.fs)
+            self.stats.incr("opens.filled")
+            data = got[0][0] if len(got) == 1 else b"".join(part for part, _ in got)
             assert len(data) == fid.size
             return None, data
+        # The kernel reads the file from the cache copy: what the job reads of it came from
+        # where the fill found it (the source, mostly), counted as a read would be.
+        served: dict[str, int] = {"opens.filled": 1}
+        for part, tier in got:
+            served[f"{tier}.served_bytes"] = served.get(f"{tier}.served_bytes", 0) + len(part)
+        self.stats.add_many(served)
         return found, None
 
     @property

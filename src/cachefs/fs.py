@@ -457,8 +457,11 @@ class CachefsFS(Operations):
                    else "this daemon may not register backing files (it needs CAP_SYS_ADMIN)")
             log.warning("--passthrough on: %s; every open is served by the daemon", why)
         chosen = "passthrough" if usable else "zero-message" if self.zero_message_open else "daemon"
-        self.core.stats.set_info(zero_message_open=self.zero_message_open, opens=chosen)
-        log.info("opens: %s", chosen)
+        why = ("" if usable or mode == "off" or not self.want_passthrough else
+               "the kernel does not offer passthrough (Linux 6.9 or newer)" if not conn.passthrough else
+               "registering backing files needs CAP_SYS_ADMIN (root)")
+        self.core.stats.set_info(zero_message_open=self.zero_message_open, opens=chosen, opens_why=why)
+        log.info("opens: %s%s", chosen, f" ({why})" if why else "")
 
     def _probe_backing(self) -> bool:
         """Whether the kernel takes a backing file from us (EPERM without CAP_SYS_ADMIN)."""

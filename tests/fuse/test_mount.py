@@ -846,13 +846,14 @@ def test_prometheus_endpoint_on_loopback_matches_the_stats(tmp_path, mounts):
     assert samples[("cachefs_source_request_duration_seconds_count", (("op", "read_range"),))] == 1
     assert samples[("cachefs_ram_misses_total", ())] >= 1
     assert samples[("cachefs_ram_capacity_bytes", ())] == 256 << 20
-    # a second mount cannot take the same port: the mount fails cleanly, nothing is left mounted
+    # a second mount cannot take the same port: refused before anything is made or mounted
     (tmp_path / "src2").mkdir()
     (tmp_path / "mnt2").mkdir()
     proc = cli("mount", tmp_path / "src2", tmp_path / "mnt2", "--cache-dir", tmp_path / "cache2",
                "--metrics-addr", str(port))
-    assert proc.returncode == 1 and "cannot serve metrics" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "cannot listen on" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not is_mounted(tmp_path / "mnt2")
+    assert not (tmp_path / "cache2").exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
