@@ -239,21 +239,32 @@ def unmount(mountpoint: str, timeout: float = 30.0) -> str:
         pid = int(read_control(mp, "user.cachefs.info")["pid"])
     except (CachefsError, ValueError, KeyError):
         pass
+    waiting = []  # the daemon and its fetch processes: done when every one has exited
+    if pid is not None:
+        try:
+            daemon = psutil.Process(pid)
+            waiting = [daemon, *daemon.children(recursive=True)]
+        except psutil.Error:
+            pass
     problem = kernel_unmount(mp)
     if problem is not None:
         if "busy" in problem.lower():
             raise CachefsError(f"{mp} is busy: close the files and shells using it, then retry")
         raise CachefsError(f"unmounting {mp} failed: {problem}")
-    if pid is not None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                    break
-            except psutil.NoSuchProcess:
-                break
-            time.sleep(0.05)
-        else:
-            return f"unmounted {mp}; its daemon (pid {pid}) is still finishing cache writes"
+    deadline = time.monotonic() + timeout
+    while waiting and time.monotonic() < deadline:
+        waiting = [p for p in waiting if _running(p)]
+        if waiting:
+            time.sleep(0.02)
+    if waiting:
+        return f"unmounted {mp}; its daemon (pid {pid}) is still finishing cache writes"
     return f"unmounted {mp}"
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Whether a process has not exited yet (a zombie has: only its exit status is left)."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 

@@ -895,3 +895,24 @@ def test_a_second_mount_on_a_cache_dir_in_use_is_warned_of(tmp_path, mounts):
     assert f"{first} uses this cache dir too" in proc.stdout + proc.stderr
     proc = cli("mount", src, other, "--check", "--cache-dir", tmp_path / "own-cache")
     assert "uses this cache dir too" not in proc.stdout + proc.stderr
+
+
+def test_umount_returns_once_the_daemon_and_its_fetch_processes_have_exited(tmp_path, mounts):
+    import psutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i in range(50):
+        (src / f"f{i}").write_bytes(os.urandom(30_000))
+    mp = mounts.cachefs(str(src))
+    for i in range(50):
+        (mp / f"f{i}").read_bytes()
+    daemon = psutil.Process(stats(mp)["info"]["pid"])
+    family = [daemon, *daemon.children(recursive=True)]
+    proc = cli("umount", mp)
+    assert proc.returncode == 0 and "unmounted" in proc.stdout, proc.stderr
+    for p in family:   # what `umount --help` promises: nothing of it still runs
+        try:
+            assert p.status() == psutil.STATUS_ZOMBIE, (p.pid, p.status())
+        except psutil.NoSuchProcess:
+            pass
