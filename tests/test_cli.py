@@ -29,7 +29,7 @@ def listing(root):
     "mountpoint-inside-source", "source-inside-mountpoint", "cache-inside-source", "cache-inside-mountpoint",
     "cache-unwritable", "cache-is-file", "bad-block-size", "negative-prefetch-workers", "warm-without-workers",
     "log-file-in-source", "log-file-dir-missing", "log-file-fifo", "metrics-without-prometheus-client",
-    "disk-size-beyond-the-disk", "metrics-port-taken",
+    "metrics-port-taken",
 ])
 def test_bad_mount_requests(case, tree, capsys, fault_report, monkeypatch):
     tmp, src, mp = tree
@@ -77,8 +77,6 @@ def test_bad_mount_requests(case, tree, capsys, fault_report, monkeypatch):
 
         monkeypatch.setitem(sys.modules, "prometheus_client", None)  # what an environment without it imports
         args["extra"] = ["--metrics-addr", "127.0.0.1:9"]
-    elif case == "disk-size-beyond-the-disk":
-        args["extra"] = ["--disk-size", "1000TiB"]    # mounted with a warning, reporting 1000 TiB
     elif case == "metrics-port-taken":               # failed after the cache dir was made
         taken = socket.socket()
         taken.bind(("127.0.0.1", 0))
@@ -231,3 +229,23 @@ def test_ram_size_0_says_what_it_means(tmp_path):
                            "--ram-size", "0", "--cache-dir", str(tmp_path / "c")], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert "--ram-size 0: no RAM tier" in proc.stdout + proc.stderr
+
+
+def test_a_disk_size_beyond_the_cache_disk_is_cut_to_it_and_said_in_one_line(tmp_path):
+    """It mounted with a warning and reported "NVMe 1000.0 TiB" in every view."""
+    import shutil
+
+    src = tmp_path / "src"
+    src.mkdir()
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "cachefs", "mount", str(src), str(mp), "--check",
+                           "--disk-size", "1000TiB", "--min-free", "1GiB", "--cache-dir", str(tmp_path / "c")],
+                          capture_output=True, text=True)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    total = shutil.disk_usage(tmp_path).total
+    from cachefs.config import format_size
+    assert "is more than the cache disk can ever hold" in out
+    assert f"the NVMe tier's budget is {format_size(total - (1 << 30))}" in out
+    assert "1000.0 TiB in" not in out

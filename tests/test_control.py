@@ -165,7 +165,7 @@ def test_out_of_descriptors_the_channel_waits_and_comes_back(tmp_path):
         sys.path.insert(0, {os.path.join(ROOT, "src")!r})
         from cachefs.control import ControlServer
         resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-        srv = ControlServer(sys.argv[1], {{"ping": lambda req, send: {{"pong": True}}}})
+        srv = ControlServer("\\0" + sys.argv[1], {{"ping": lambda req, send: {{"pong": True}}}})
         srv.start()
         filler = []
         try:
@@ -180,9 +180,10 @@ def test_out_of_descriptors_the_channel_waits_and_comes_back(tmp_path):
         print("freed", flush=True)
         sys.stdin.readline()
     """))
-    address = f"\\0cachefs-test-control-{os.getpid()}-{next(_names)}"
-    proc = subprocess.Popen([sys.executable, str(script), address], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
+    name = f"cachefs-test-control-{os.getpid()}-{next(_names)}"   # argv takes no NUL: the child adds it
+    address = "\0" + name
+    proc = subprocess.Popen([sys.executable, str(script), name], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, cwd=tmp_path)
     try:
         assert proc.stdout.readline().strip() == "full"
         # the descriptor accept() had reserved before the filling goes to a connection that

@@ -186,10 +186,12 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
     if config.disk_size and free < config.min_free:
         notices.append(f"warning: the cache disk has {format_size(free)} free, less than --min-free "
                        f"{format_size(config.min_free)}: the NVMe tier stores nothing until space is freed")
-    if config.disk_size and config.disk_size > usage.total - config.min_free:
-        raise CachefsError(f"--disk-size {format_size(config.disk_size)} is more than the cache disk can ever hold "
-                           f"({format_size(usage.total)}, {format_size(config.min_free)} of it kept free by "
-                           f"--min-free; {format_size(free)} free now)")
+    most = usage.total - config.min_free
+    if config.disk_size and config.disk_size > most:
+        notices.append(f"note: --disk-size {format_size(config.disk_size)} is more than the cache disk can ever "
+                       f"hold ({format_size(usage.total)}, {format_size(config.min_free)} of it kept free by "
+                       f"--min-free): the NVMe tier's budget is {format_size(most)}")
+        config.disk_size = most
     if config.disk_size > free:
         notices.append(f"warning: --disk-size {format_size(config.disk_size)} is more than the "
                        f"{format_size(free)} free on the cache disk: the NVMe tier holds what fits")
