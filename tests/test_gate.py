@@ -175,3 +175,30 @@ def test_a_reader_of_a_block_a_guess_waits_to_fetch_promotes_it():
         assert source.calls["read_range"] == 1    # the guess's fetch, shared
     finally:
         core.close()
+
+
+def test_a_batch_counts_as_its_files_and_readers_in_flight_take_their_places_first():
+    clock = FakeClock()
+    gate = SourceGate(maximum=16, start=16, idle=0.5, clock=clock)
+    with gate.demand("stat"):
+        assert gate.allowed() == 15           # one reader's request in flight: 15 left
+        with gate.demand("stat"):
+            assert gate.allowed() == 14
+    clock.advance(0.1)
+    assert gate.allowed() == 16               # the limit, demand recent but none in flight
+    with gate.background("fill_many", weight=12):
+        assert gate._background == 12
+        ran = []
+
+        def second():
+            with gate.background("fill_many", weight=12):
+                ran.append(1)
+
+        t = threading.Thread(target=second)
+        t.start()
+        t.join(0.2)
+        assert not ran                        # 12 + 12 > 16: waits
+    t.join(2)
+    assert ran == [1] and gate._background == 0
+    with gate.background("fill_many", weight=40):   # alone, a batch larger than the limit goes
+        assert gate._background == 40

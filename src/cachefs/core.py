@@ -1195,7 +1195,8 @@ class Core:
         # A reader's request goes first: guesses (the prefetch pool's threads) wait for room.
         kind = fn.__name__
         gate = (self.gate.background(kind, _size_of(kind, args), self._urgent(),
-                                     idle_only=getattr(self._owned, "idle_only", False))
+                                     idle_only=getattr(self._owned, "idle_only", False),
+                                     weight=len(args[0]) if kind == "fill_many" else 1)
                 if threading.current_thread().name.startswith(PREFETCH_THREAD)
                 else self.gate.demand(kind, _size_of(kind, args)))
         try:

@@ -9,7 +9,8 @@ at a job's start). The gate bounds the background requests in flight:
 
 - while no demand request has been seen for `idle` seconds, up to `maximum` (the prefetch
   pool's size): an idle job's read-ahead and `cachefs warm` run at full speed;
-- while demand is active, up to `limit`, which adapts as TCP's congestion window does
+- while demand is active, up to the pool's size less the readers' requests in flight, and
+  at most `limit`, which adapts as TCP's congestion window does
   (additive increase, multiplicative decrease) to the demand latency: while demand
   requests take no longer than CONGESTED x the lowest latency seen lately for requests of
   their kind and size (plus SLACK), the limit doubles every `grow` seconds until the first
@@ -19,6 +20,9 @@ at a job's start). The gate bounds the background requests in flight:
   latency is back at its floor. The thresholds are loose (3x, 3 ms) because on a busy
   machine the CPU, not the store, adds the first milliseconds: measured on 2 cores,
   2x and 1 ms cut a cold epoch's throughput by 20%, 3x and 3 ms by 13%.
+- a fetch process's batch counts as each of its files (16 files fetched at once weigh as
+  16 requests: counted as one, eight batches were 128 files of work for the daemon while
+  the job's first misses waited);
 - the weakest guesses (`idle_only`: the whole-block fill of a block a random reader
   missed twice) wait for demand to be idle;
 - a guess a reader has come to wait for (the block it fetches is the one the reader
@@ -79,26 +83,34 @@ class SourceGate:
 
     @contextlib.contextmanager
     def background(self, op: str, size: int = 0, urgent: Callable[[], bool] | None = None,
-                   idle_only: bool = False) -> Iterator[None]:
+                   idle_only: bool = False, weight: int = 1) -> Iterator[None]:
         """Around a guess: waits until the limit has room for it, or until `urgent()` says
         a reader now waits for it (then it goes at once: see wake()). `idle_only`: the
-        weakest guesses, which wait for demand to be idle whatever the limit."""
+        weakest guesses, which wait for demand to be idle whatever the limit. `weight`:
+        the files one request fetches (a fetch process's batch counts as each of its
+        files); one request goes whatever its weight when none is in flight."""
+
+        def full() -> bool:
+            allowed = self._allowed(idle_only)
+            return (self._background + weight > allowed and (self._background > 0 or allowed == 0)
+                    and not (urgent and urgent()))
+
         with self._cond:
-            if self._background >= self._allowed(idle_only) and not (urgent and urgent()):
+            if full():
                 if self._stats is not None:
                     self._stats.incr("source.background_waits")
-                while self._background >= self._allowed(idle_only) and not (urgent and urgent()):
+                while full():
                     # Woken when the limit grows, a guess ends or one turns urgent; demand
                     # going idle is seen by the timeout (at most `idle` late), so that the
                     # end of each reader's request does not wake every waiting guess.
                     self._cond.wait(max(0.001, self.idle - (self._clock() - self._last_demand))
                                     if self._demand == 0 else self.idle)
-            self._background += 1
-        with self._timed(op, size, demand=False):
+            self._background += weight
+        with self._timed(op, size, demand=False, weight=weight):
             yield
 
     @contextlib.contextmanager
-    def _timed(self, op: str, size: int, demand: bool) -> Iterator[None]:
+    def _timed(self, op: str, size: int, demand: bool, weight: int = 1) -> Iterator[None]:
         """Around one request already counted in flight: its latency feeds its kind's floor
         (and, for demand, the limit) unless it failed; then it leaves the count."""
         start = self._clock()
@@ -111,8 +123,8 @@ class SourceGate:
             with self._cond:
                 floor = self._floor((op, _size_class(size)), took) if ok else 0.0
                 if not demand:
-                    self._background -= 1
-                    self._cond.notify()
+                    self._background -= weight
+                    self._cond.notify(weight)
                 else:
                     self._demand -= 1
                     self._last_demand = self._clock()
@@ -137,7 +149,10 @@ class SourceGate:
     def _allowed(self, idle_only: bool = False) -> int:
         if self._demand == 0 and self._clock() - self._last_demand >= self.idle:
             return self.maximum
-        return 0 if idle_only else self.limit
+        if idle_only:
+            return 0
+        # the readers' requests in flight take their places first
+        return min(self.limit, max(1, self.maximum - self._demand))
 
     def _floor(self, kind: tuple[str, int], took: float) -> float:
         """The floor of `kind` after this sample (lock held)."""
