@@ -1275,7 +1275,7 @@ class Core:
             self.shared.close()  # puts still queued are dropped: only a lost chance to share
         if self._source_pool is not None:
             self._source_pool.shutdown(wait=False, cancel_futures=True)  # a hung request stays hung
-        self._stat_pool.shutdown(wait=True, cancel_futures=True)
+        self._stat_pool.shutdown(wait=False, cancel_futures=True)  # a hung stat stays hung
         self.cache.close()
 
 
