@@ -147,11 +147,21 @@ class ControlServer:
                 conn.close()
 
     def _refuse_loop(self) -> None:
-        while True:
-            conn = self._refusals.get()
+        while self._sock is not None:
+            try:
+                conn = self._refusals.get(timeout=1.0)
+            except queue.Empty:
+                continue
             if conn is None:
-                return
+                break
             self._refuse(conn, "permission denied: this mount belongs to another user")
+        while True:  # closed: what is still queued is closed unanswered
+            try:
+                left = self._refusals.get_nowait()
+            except queue.Empty:
+                return
+            if left is not None:
+                left.close()
 
     def _refuse(self, conn: socket.socket, reason: str) -> None:
         """Answer `reason` and close, after reading (within the bounds) what the client sent:
@@ -159,9 +169,13 @@ class ControlServer:
         instead of the reason."""
         with conn:
             try:
-                conn.settimeout(REFUSAL_TIMEOUT)
+                deadline = time.monotonic() + REFUSAL_TIMEOUT  # for the whole connection, not per recv
                 got = b""
                 while b"\n" not in got and len(got) < REFUSAL_READ:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    conn.settimeout(left)
                     chunk = conn.recv(REFUSAL_READ - len(got))
                     if not chunk:
                         break

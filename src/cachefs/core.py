@@ -222,7 +222,9 @@ class Core:
         self.check_acls = False
         self.readdir_attrs = True  # listings bring each entry's attributes (see readdir)
         # The attributes a listing did not bring, when a check needs them all (see readdir)
-        self._stat_pool = ThreadPoolExecutor(LISTING_STAT_WORKERS, thread_name_prefix=f"{PREFETCH_THREAD}stat")
+        # Not prefetch threads: their requests go through the source pool with the timeout,
+        # and count as demand at the gate (a reader's listing may wait for them).
+        self._stat_pool = ThreadPoolExecutor(LISTING_STAT_WORKERS, thread_name_prefix="cachefs-stat")
         self._stat_lock = threading.Lock()
         self._stats_waiting = 0  # subdirectories' stats queued (see _stat_soon)
         # After a restart, the NVMe tier knows the attributes each cached file was stored
@@ -335,11 +337,15 @@ class Core:
             return self._stale(self._dirs, path, exc)  # type: ignore[return-value]
         prefix = path.rstrip("/") + "/"
         missing = [prefix + e.name for e in entries if e.attr is None] if attrs else []
-        if check:
-            if missing:  # the check compares every entry: fetched now, in parallel
+        if check and missing:  # the check compares every entry: fetched now, in parallel
+            try:
                 got = self._stat_all(missing)
+            except OSError:
+                check = False  # not now: a failed stat is no proof of a change (checked later)
+            else:
                 entries = [e if e.attr is not None or prefix + e.name not in got
                            else e._replace(attr=got[prefix + e.name]) for e in entries]
+        if check:
             self._check_dir(path, entries)
         elif attrs:
             for e in entries:
@@ -374,22 +380,26 @@ class Core:
             with self._stat_lock:
                 self._stats_waiting -= 1
 
-    def _stat_one(self, path: str) -> Attr | None:
+    def _stat_one(self, path: str, strict: bool = False) -> Attr | None:
         """The attributes of a listed entry from the source, into the metadata cache. Errors
-        are left to the lookup that needs the entry."""
+        are left to the lookup that needs the entry (`strict`: only "no such file" is)."""
         try:
             attr = self._with_acl(path, self._source_call("stat", self.source.stat, path))
+        except FileNotFoundError:
+            return None
         except OSError:
+            if strict:
+                raise
             return None
         self._attrs.put(path, attr, self.metadata_ttl)
         return attr
 
     def _stat_all(self, paths: list[str]) -> dict[str, Attr]:
         """The attributes of listed entries from the source, fetched in parallel and waited
-        for; an entry that could not be stat'ed is left out."""
+        for; an entry gone meanwhile is left out, any other failure raises (OSError)."""
         with self.blocking():
             try:
-                futures = [(path, self._stat_pool.submit(self._stat_one, path)) for path in paths]
+                futures = [(path, self._stat_pool.submit(self._stat_one, path, True)) for path in paths]
             except RuntimeError:  # closed meanwhile
                 raise OSError(errno.ECANCELED, "cachefs is stopping") from None
             found = {path: future.result() for path, future in futures}
@@ -751,6 +761,7 @@ class Core:
         finally:
             with self._inflight_lock:
                 del self._inflight[key]
+                self._promoted.discard(key)
 
     @contextlib.contextmanager
     def _owning(self, *keys: BlockKey) -> Iterator[None]:
@@ -986,6 +997,7 @@ class Core:
             finally:
                 with self._inflight_lock:
                     del self._inflight[key]
+                    self._promoted.discard(key)
                 pending.set_result((b"", "source"))  # a waiter looks for the entry (see open_file)
             return outcome
         return self._fetch_small(path, None, None)
@@ -1048,6 +1060,7 @@ class Core:
                     disk.unreserve(room[0])
                 with self._inflight_lock:
                     del self._inflight[key]
+                    self._promoted.discard(key)
                 pending.set_result((b"", "source"))
         return out
 

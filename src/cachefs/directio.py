@@ -168,18 +168,19 @@ class DescriptorCache(Generic[K]):
                 return os.dup(fd)  # the caller closes its own: an eviction cannot pull it away
         fd = retrying(self._open, name)
         room = self.room()
-        with self._lock:  # the dup under the lock: another thread may close what it holds
-            kept = self._fds.get(name)
-            if kept is not None:  # opened meanwhile by another thread: keep that one
-                extra = [fd]
-                mine = os.dup(kept)
-            else:
+        extra: list[int] = []
+        try:
+            with self._lock:  # the dup under the lock: another thread may close what it holds
+                kept = self._fds.get(name)
+                if kept is not None:  # opened meanwhile by another thread: keep that one
+                    extra = [fd]
+                    return os.dup(kept)
                 self._fds[name] = fd
                 extra = [self._fds.popitem(last=False)[1] for _ in range(max(0, len(self._fds) - room))]
-                mine = os.dup(fd)
-        for x in extra:
-            os.close(x)
-        return mine
+                return os.dup(fd)
+        finally:  # closed even when the dup fails for want of a descriptor
+            for x in extra:
+                os.close(x)
 
     def trim(self) -> int:
         """Close every kept descriptor; return how many."""

@@ -388,6 +388,10 @@ class Fetchers:
             if sock in self._all:
                 self._all.remove(sock)
         try:
+            self._timeouts.pop(sock.fileno(), None)  # a new channel may get the same number
+        except OSError:
+            pass
+        try:
             sock.close()
         except OSError:
             pass

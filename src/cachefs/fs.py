@@ -124,6 +124,7 @@ class _NodeLocks:
 
     @contextlib.contextmanager
     def hold(self, nodeid: int, blocking: Callable[[], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
+        """The node's lock; `blocking()` is entered around a wait for it."""
         with self._mutex:
             entry = self._locks.get(nodeid)
             if entry is None:
@@ -617,10 +618,14 @@ class CachefsFS(Operations):
         with self._node_lock(nodeid):
             return self._open_passthrough(nodeid, fid)
 
-    def _node_lock(self, nodeid: int) -> contextlib.AbstractContextManager[None]:
-        """The lock serializing the opens and releases of one node (see _NodeLocks)."""
+    def _node_lock(self, nodeid: int, refusable: bool = True) -> contextlib.AbstractContextManager[None]:
+        """The lock serializing the opens and releases of one node (see _NodeLocks). A
+        release's wait is never refused (the kernel ignores a release's error, and the open
+        would stay counted)."""
         session = self.session
-        return self._node_locks.hold(nodeid, session.blocking if session is not None else contextlib.nullcontext)
+        if session is None:
+            return self._node_locks.hold(nodeid, contextlib.nullcontext)
+        return self._node_locks.hold(nodeid, lambda: session.blocking(refusable))
 
     def _open_passthrough(self, nodeid: int, fid: FileId) -> Opened:
         """One open in passthrough mode (the node's lock held). The kernel allows one
@@ -630,16 +635,17 @@ class CachefsFS(Operations):
         fh = next(self._next_fh)
         state = self._opens.get(nodeid)
         if state is not None:
-            state.refs += 1
             if state.backing_id:
                 # the version the first open got, until the last one closes: a handle
                 # reads one version, whole
-                self._handles[fh] = state.fid
                 again, _ = self.core.open_file(state.fid, fill=False)  # counted as the tier's hits
+                state.refs += 1  # only once nothing can fail: a failed open gets no release
+                self._handles[fh] = state.fid
                 if again is not None:
                     again.tier.release(state.eid)
                 self.core.stats.incr("opens.passthrough")
                 return Opened(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, state.backing_id)
+            state.refs += 1
             self._handles[fh] = fid
             self.core.stats.incr("opens.daemon")
             return Opened(fh, p.FOPEN_KEEP_CACHE)
@@ -689,7 +695,7 @@ class CachefsFS(Operations):
         self._fetched.pop(fh, None)
         if not self.passthrough:
             return
-        with self._node_lock(nodeid):
+        with self._node_lock(nodeid, refusable=False):
             state = self._opens.get(nodeid)
             if state is None:
                 return

@@ -103,8 +103,8 @@ class SourceGate:
                     # Woken when the limit grows, a guess ends or one turns urgent; demand
                     # going idle is seen by the timeout (at most `idle` late), so that the
                     # end of each reader's request does not wake every waiting guess.
-                    self._cond.wait(max(0.001, self.idle - (self._clock() - self._last_demand))
-                                    if self._demand == 0 else self.idle)
+                    left = self.idle - (self._clock() - self._last_demand)
+                    self._cond.wait(left if self._demand == 0 and left > 0 else self.idle)
             self._background += weight
         with self._timed(op, size, demand=False, weight=weight):
             yield
@@ -124,15 +124,15 @@ class SourceGate:
                 floor = self._floor((op, _size_class(size)), took) if ok else 0.0
                 if not demand:
                     self._background -= weight
-                    self._cond.notify(weight)
+                    self._cond.notify_all()  # a light waiter may fit where a heavy one does not
                 else:
                     self._demand -= 1
                     self._last_demand = self._clock()
                     before = self.limit
                     if ok:
                         self._steer(floor, took)
-                    if self.limit > before:
-                        self._cond.notify(self.limit - before)
+                    # room grew (the limit, or one reader's place less): one waiter looks
+                    self._cond.notify(max(1, self.limit - before))
 
     def wake(self) -> None:
         """Something a waiting guess's urgent() reads has changed."""

@@ -296,7 +296,7 @@ class Session:
                               self.max_background, self.max_background * 3 // 4, self.max_write, 1,
                               max_pages, 0, granted >> 32, 1 if conn.passthrough else 0, 0)
         self.ops.init(conn, self)
-        self._reply(self.fd, unique, [out])
+        self._reply(self.fd, unique, [out], p.INIT, strict=True)
         return True
 
     def start(self) -> None:
@@ -313,18 +313,19 @@ class Session:
         t.start()
 
     @contextlib.contextmanager
-    def blocking(self) -> Iterator[None]:
+    def blocking(self, refusable: bool = True) -> Iterator[None]:
         """Around work that may wait (a source request): another thread reads meanwhile.
         A no-op outside the session's own threads. When `max_threads` wait already and this
         is one of the last `readers`, the wait is refused (FuseError EAGAIN, counted in
         `busy_refusals`) instead: a wait of any kind never stops the session from reading,
-        so the requests that need no wait (cached files) are still answered."""
+        so the requests that need no wait (cached files) are still answered. A wait that must
+        not fail (a release: the kernel ignores its error) is `refusable=False`."""
         if not getattr(self._local, "serving", False):
             yield
             return
         with self._cond:
-            if (self._active - 1 < self.readers and not self._parked and len(self._workers) >= self.max_threads
-                    and not self._stopped.is_set()):
+            if (refusable and self._active - 1 < self.readers and not self._parked
+                    and len(self._workers) >= self.max_threads and not self._stopped.is_set()):
                 self.busy_refusals += 1
                 if self.busy_refusals == 1 or self.busy_refusals % 1000 == 0:
                     log.warning("%d requests wait on the source at once; more that would wait are refused "
@@ -493,7 +494,7 @@ class Session:
             log.info("%s unique=%d node=%d pid=%d: %s in %.0f us", p.OPCODE_NAMES.get(opcode, opcode), unique, nodeid,
                      pid, errno.errorcode.get(code, code) if code else "ok", (time.perf_counter() - start) * 1e6)
 
-    def _reply(self, fd: int, unique: int, parts: list[Buffer], opcode: int = 0) -> None:
+    def _reply(self, fd: int, unique: int, parts: list[Buffer], opcode: int = 0, strict: bool = False) -> None:
         """Write one reply. A reply of many parts (a directory listing holds one per entry)
         is joined into one buffer first: writev takes at most IOV_MAX (1,024) vectors and
         fails with EINVAL past that, which the kernel would pass to the reader."""
@@ -508,6 +509,8 @@ class Session:
         try:
             os.writev(fd, vectors)
         except OSError as exc:
+            if strict:  # INIT: a connection that cannot take it is no connection
+                raise
             if self._reply_failed(opcode, unique, exc):
                 self._reply_error(fd, unique, errno.EIO, opcode)  # the caller must not wait forever
 
