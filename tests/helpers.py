@@ -87,7 +87,6 @@ def portable_python(base: Path) -> tuple[str, dict[str, str]]:
     run by the system's python3 of the same version. Raises RuntimeError when there is no
     such interpreter.
     """
-    import diskcache
     import psutil
     import xxhash
 
@@ -101,7 +100,7 @@ def portable_python(base: Path) -> tuple[str, dict[str, str]]:
         raise RuntimeError(f"{SYSTEM_PYTHON} is Python {version}, the venv's is {tuple(sys.version_info[:2])}")
     lib = base / "pylib"
     lib.mkdir(mode=0o755)
-    for module in (cachefs, diskcache, psutil, xxhash):
+    for module in (cachefs, psutil, xxhash):
         origin = Path(module.__file__)
         if origin.name == "__init__.py":
             shutil.copytree(origin.parent, lib / origin.parent.name, ignore=shutil.ignore_patterns("__pycache__"))
