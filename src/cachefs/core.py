@@ -332,7 +332,7 @@ class Core:
         # cores, and a job's own requests would queue behind it.
         attrs = check or self.readdir_attrs
         try:
-            entries = self._source_call("listdir", self.source.listdir, path, attrs)
+            entries = self._source_call("listdir", self.source.listdir, path, attrs, check)
         except OSError as exc:
             return self._stale(self._dirs, path, exc)  # type: ignore[return-value]
         prefix = path.rstrip("/") + "/"

@@ -96,7 +96,7 @@ class MemorySource:
     def stat(self, path: str) -> Attr:
         return self._enter("stat", path)[0]
 
-    def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
+    def listdir(self, path: str, attrs: bool = False, every: bool = False) -> list[DirEntry]:
         attr, _ = self._enter("listdir", path)
         if not attr.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
@@ -104,7 +104,7 @@ class MemorySource:
         entries = [DirEntry(p[len(prefix):], stat_mod.S_IFMT(a.mode), a.ino, a if attrs else None)
                    for p, (a, _) in sorted(self._nodes.items())
                    if p.startswith(prefix) and p != "/" and "/" not in p[len(prefix):]]
-        if attrs and self.listing_attrs is not None:
+        if attrs and not every and self.listing_attrs is not None:
             entries[self.listing_attrs:] = [e._replace(attr=None) for e in entries[self.listing_attrs:]]
         return entries
 

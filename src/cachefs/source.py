@@ -68,11 +68,11 @@ class Source(Protocol):
 
     def stat(self, path: str) -> Attr: ...
 
-    def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
+    def listdir(self, path: str, attrs: bool = False, every: bool = False) -> list[DirEntry]:
         """The directory's entries; with `attrs`, each with its attributes where the source
-        gives them cheaply (what NFS's READDIRPLUS gives: one listing, no request per entry
-        where the client caches them). An entry may come without (attr None): the caller
-        asks for those itself."""
+        gives them cheaply, or `every` one whatever it costs (what NFS's READDIRPLUS gives:
+        one listing, no request per entry where the client caches them). An entry may come
+        without (attr None): the caller asks for those itself."""
         ...
 
     def read_whole(self, path: str, limit: int, expect: FileId | None = None) -> tuple[Attr, bytes | None]:
@@ -287,14 +287,16 @@ class LocalSource:
         finally:
             os.close(fd)
 
-    def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
+    def listdir(self, path: str, attrs: bool = False, every: bool = False) -> list[DirEntry]:
         """With `attrs`, entries carry their attributes while stat-ing them in series is
-        cheap (see config.LISTING_CHEAP_STAT); past that, the rest come with d_type only."""
+        cheap (see config.LISTING_CHEAP_STAT); past that, the rest come with d_type only.
+        `every`: all of them (the check of a directory after a restart: one fstatat each
+        beside the listing costs the store less than a lookup each)."""
         out = []
         stat_time, statted = 0.0, 0
-        if self._slow_stats and time.monotonic() - self._probed < LISTING_PROBE_EVERY:
+        if not every and self._slow_stats and time.monotonic() - self._probed < LISTING_PROBE_EVERY:
             attrs = False  # on demand, without a probe
-        probe = self._slow_stats
+        probe = self._slow_stats and not every
         dfd = self._open_dir(path)
         try:
             with os.scandir(dfd) as it:
@@ -309,6 +311,8 @@ class LocalSource:
                         took = time.perf_counter() - start
                         stat_time += took
                         statted += 1
+                        if every:
+                            continue  # never judged slow
                         if probe:  # stats were slow lately: one tells if they still are
                             probe = False
                             self._probed = time.monotonic()
