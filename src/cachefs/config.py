@@ -78,9 +78,9 @@ SOURCE_DOWN_AFTER = 3
 # listings of that source bring none, but for one stat every LISTING_PROBE_EVERY seconds:
 # one faster than LISTING_SLOW_STAT means stats are cheap again. The subdirectories a
 # listing names without attributes are stat'ed ahead in the background (a walk looks them
-# up next), at most LISTING_DIR_STATS waiting. After a restart, the check of a directory
-# against the index needs every entry's attributes: those the listing did not bring are
-# fetched too. Both LISTING_STAT_WORKERS at a time.
+# up next), at most LISTING_DIR_STATS waiting, LISTING_STAT_WORKERS at a time. After a
+# restart, the one listing that checks a directory against the index stats every entry
+# whatever it costs (see Core.readdir).
 LISTING_STAT_BUDGET = 0.002
 LISTING_CHEAP_STAT = 200e-6
 LISTING_SLOW_STAT = 0.001
