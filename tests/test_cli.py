@@ -219,33 +219,30 @@ def _unreachable_source(base, as_user, portable_python):
     assert proc.stderr.count("\n") == 1
 
 
-def test_ram_size_0_says_what_it_means(tmp_path):
-    """Through `mount --check`: notices, nothing mounted."""
+def _checked_mount(tmp_path, *options: str) -> str:
+    """What `cachefs mount SRC MNT --check OPTIONS` prints (it must pass): nothing mounted."""
     src = tmp_path / "src"
     src.mkdir()
     mp = tmp_path / "mnt"
     mp.mkdir()
     proc = subprocess.run([sys.executable, "-m", "cachefs", "mount", str(src), str(mp), "--check",
-                           "--ram-size", "0", "--cache-dir", str(tmp_path / "c")], capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert "--ram-size 0: no RAM tier" in proc.stdout + proc.stderr
+                           "--cache-dir", str(tmp_path / "c"), *options], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout + proc.stderr
+
+
+def test_ram_size_0_says_what_it_means(tmp_path):
+    assert "--ram-size 0: no RAM tier" in _checked_mount(tmp_path, "--ram-size", "0")
 
 
 def test_a_disk_size_beyond_the_cache_disk_is_cut_to_it_and_said_in_one_line(tmp_path):
     """It mounted with a warning and reported "NVMe 1000.0 TiB" in every view."""
     import shutil
 
-    src = tmp_path / "src"
-    src.mkdir()
-    mp = tmp_path / "mnt"
-    mp.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "cachefs", "mount", str(src), str(mp), "--check",
-                           "--disk-size", "1000TiB", "--min-free", "1GiB", "--cache-dir", str(tmp_path / "c")],
-                          capture_output=True, text=True)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out
-    total = shutil.disk_usage(tmp_path).total
     from cachefs.config import format_size
+
+    out = _checked_mount(tmp_path, "--disk-size", "1000TiB", "--min-free", "1GiB")
+    total = shutil.disk_usage(tmp_path).total
     assert "is more than the cache disk can ever hold" in out
     assert f"the NVMe tier's budget is {format_size(total - (1 << 30))}" in out
     assert "1000.0 TiB in" not in out
