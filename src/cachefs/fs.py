@@ -544,6 +544,10 @@ class CachefsFS(Operations):
         except FileNotFoundError:
             # a negative entry: the kernel remembers "no such file" for --negative-ttl
             return Entry(0, p.Attr(0, 0, 0, 0, 0, 0, 0, 0, 0), self._negative_ttl, 0)
+        return self._entry(path, a)
+
+    def _entry(self, path: str, a: Attr) -> bytes:
+        """The packed entry of a lookup that found `path`: the kernel counts it (FORGET)."""
         return p.pack_entry_of(self.nodes.add(path, a), a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
                                a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
 
@@ -553,8 +557,7 @@ class CachefsFS(Operations):
         a = self.core.known_attr(path)
         if a is None:
             return None
-        return p.pack_entry_of(self.nodes.add(path, a), a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
-                               a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
+        return self._entry(path, a)
 
     def forget(self, nodeid: int, nlookup: int) -> None:
         self.nodes.forget(nodeid, nlookup)
