@@ -41,6 +41,14 @@ class FakeClock:
         self.now += seconds
 
 
+def run_until_idle(prefetcher, limit: int = 1_000_000) -> int:
+    """Run a prefetcher's tasks in this thread until none is left (deterministic tests)."""
+    n = 0
+    while n < limit and prefetcher.step():
+        n += 1
+    return n
+
+
 def make_core(source, *, ram=64 << 20, disk=None, block_size=64 << 10, clock=None, **kw):
     """A Core over `source` with a RAM tier (and `disk`, if given), no mount."""
     stats = Stats()

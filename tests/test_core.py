@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from cachefs import warm as warming
 from cachefs.blocks import FileId, block_key
 from cachefs.memsource import MemorySource
-from tests.helpers import make_core
+from tests.helpers import make_core, run_until_idle
 
 BS = 64 << 10
 
@@ -253,7 +253,7 @@ def test_sequential_reader_is_served_from_blocks_fetched_ahead(source):
         before = source.calls["read_range"]
         assert core.read("/big", off, BS) == data[off:off + BS]
         demand_fetches += source.calls["read_range"] - before
-        p.run_until_idle()                       # the pool catches up between reads
+        run_until_idle(p)                       # the pool catches up between reads
     assert source.calls["read_range"] == 40      # every block fetched exactly once
     assert demand_fetches <= 3                   # the reader waited for only the first few
     assert core.stats.get("prefetch.used") >= 37
@@ -296,7 +296,7 @@ def test_read_ahead_never_evicts_cached_data(source):
     core.read("/a", 0, BS)                        # the job's own data
     for off in range(0, 3 * BS, BS):
         core.read("/big", off, BS)
-    p.run_until_idle()
+    run_until_idle(p)
     key = block_key(b"test", core.file_id("/a"), 0, BS)
     assert key in core.cache.ram                  # still there: guesses only used free room
     assert core.cache.ram.used_bytes <= 4 * BS
@@ -345,7 +345,7 @@ def test_directory_read_ahead_fetches_siblings_in_sorted_order(source):
     source.read_range = spy
     core, p = make_ra_core(source)
     core.read("/cls/c.jpg", 0, 1000)              # the job reads one file of the directory
-    p.run_until_idle()
+    run_until_idle(p)
     assert order == ["/cls/c.jpg", "/cls/a.jpg", "/cls/b.jpg", "/cls/d.jpg", "/cls/e.jpg"]
     before = source.calls["read_range"]
     for name in "abde":
@@ -360,7 +360,7 @@ def test_warm_loads_a_tree_in_order_and_resumes(source):
             source.add_file(f"/ds/c{c}/{i}.jpg", blob(3000 + i, c * 10 + i))
     core, p = make_ra_core(source, readahead="off")
     job = warming.start(core, ["/ds"])
-    p.run_until_idle()
+    run_until_idle(p)
     assert job.done
     prog = job.progress()
     assert prog["state"] == "done" and prog["files_loaded"] == 12 and prog["files_total"] == 12
@@ -368,7 +368,7 @@ def test_warm_loads_a_tree_in_order_and_resumes(source):
     warming.finish(core, job)
     reads = source.calls["read_range"]
     job2 = warming.start(core, ["/ds"])               # again: everything is cached already
-    p.run_until_idle()
+    run_until_idle(p)
     assert job2.progress()["files_cached"] == 12 and source.calls["read_range"] == reads
 
 
@@ -377,7 +377,7 @@ def test_warm_stops_when_the_cache_is_full_and_says_so(source):
         source.add_file(f"/ds/{i}.bin", blob(BS, i))
     core, p = make_ra_core(source, readahead="off", ram=3 * BS, block_size=BS)
     job = warming.start(core, ["/ds"])
-    p.run_until_idle()
+    run_until_idle(p)
     prog = job.progress()
     assert prog["state"] == "no_room"
     assert prog["files_loaded"] == 3 and prog["files_total"] == 10

@@ -427,9 +427,6 @@ def test_destroy_replies_and_stops(kernel, session):
 # -- notifications, threads ---------------------------------------------------------------
 
 def test_notifications_carry_their_code_and_no_unique(kernel, session):
-    assert session.notify_inval_inode(55, 0, 0)
-    error, unique, out = kernel.reply()
-    assert (error, unique) == (p.NOTIFY_INVAL_INODE, 0) and p.NOTIFY_INVAL_INODE_OUT.unpack(out) == (55, 0, 0)
     assert session.notify_inval_entry(1, b"name")
     error, unique, out = kernel.reply()
     assert error == p.NOTIFY_INVAL_ENTRY and out == p.NOTIFY_INVAL_ENTRY_OUT.pack(1, 4, 0) + b"name\0"

@@ -15,7 +15,7 @@ from cachefs.hints import attach
 from cachefs.policy import make_policy
 from cachefs.prefetch import Prefetcher
 from cachefs.tiers.disk import DiskTier
-from tests.helpers import make_core
+from tests.helpers import make_core, run_until_idle
 
 BS = 64 << 10
 FILE = 49_152  # one block per file, like an ImageNet JPEG; whole pages, as the tiers count them
@@ -100,7 +100,7 @@ def run_epoch(core, p, board, order, files, session=None, feed_every=16):
         if session is not None and sent < min(len(order), i + 4 * feed_every):
             board.add(session, order[sent:sent + feed_every], yielded=i)
             sent += feed_every
-        p.run_until_idle()
+        run_until_idle(p)
         assert core.read(path, 0, FILE) == files[path]
 
 
@@ -144,7 +144,7 @@ def test_hints_fetch_from_nvme_first_and_offer_source_fetches_to_nvme(source, tm
     order = list(files)
     session = core.hints.open("job", lookahead=8)
     core.hints.add(session, order[:8], yielded=0)
-    p.run_until_idle()
+    run_until_idle(p)
     assert core.stats.get("hint.from_source") == 8
     disk.flush()
     assert all(disk.probably_has(k) for k in core.cache.ram.policy.keys())  # noqa: SIM118
@@ -153,13 +153,13 @@ def test_hints_fetch_from_nvme_first_and_offer_source_fetches_to_nvme(source, tm
     disk.read_latency = 0.0002                               # a fast NVMe: the reader reads it
     session = core.hints.open("job", lookahead=8)
     core.hints.add(session, order[:8], yielded=0)
-    p.run_until_idle()
+    run_until_idle(p)
     assert core.stats.get("hint.left_on_disk") == 8 and core.cache.ram.pinned_bytes == 0
     core.hints.close(session)
     disk.read_latency = 0.005                                # a slow one: fetched ahead
     session = core.hints.open("job", lookahead=8)
     core.hints.add(session, order[:8], yielded=0)
-    p.run_until_idle()
+    run_until_idle(p)
     assert core.stats.get("hint.from_disk") == 8
     reads = source.calls["read_range"]
     for path in order[:8]:
@@ -175,13 +175,13 @@ def test_window_stays_within_budget_and_advances_as_the_job_reads(source):
     order = list(files)
     session = board.open("job")
     board.add(session, order, yielded=0)
-    p.run_until_idle()
+    run_until_idle(p)
     assert core.stats.get("hint.from_source") == 10
     assert session.pinned == 10 * FILE <= board.budget()
     for path in order[:5]:
         core.read(path, 0, FILE)
     assert session.pinned == 5 * FILE
-    p.run_until_idle()                                       # the window moved on by 5
+    run_until_idle(p)                                       # the window moved on by 5
     assert core.stats.get("hint.from_source") == 15
     core.cache.ram.check()
 
@@ -193,17 +193,17 @@ def test_an_epoch_cut_short_or_a_job_that_skips_leaves_nothing_pinned(source):
     order = list(files)
     session = board.open("job", lookahead=10)
     board.add(session, order[:20], yielded=0)
-    p.run_until_idle()
+    run_until_idle(p)
     assert session.pinned > 0
     board.add(session, [], yielded=40)                       # the sampler ran 40 ahead: pins
     assert session.pinned == 0                               # 30 behind it are skipped ones
     assert core.stats.get("hint.expired") > 0
     board.add(session, order[20:30], yielded=40)             # already passed: skipped in queue
-    p.run_until_idle()
+    run_until_idle(p)
     assert session.pinned == 0 and core.stats.get("hint.skipped") == 10
     second = board.open("job 2")
     board.add(second, order[30:40], yielded=0)
-    p.run_until_idle()
+    run_until_idle(p)
     assert core.cache.ram.pinned_bytes > 0
     board.close(second)                                      # the epoch ended early
     assert core.cache.ram.pinned_bytes == 0 and not board.holding
@@ -220,7 +220,7 @@ def test_two_jobs_share_the_budget_and_each_reads_from_ram(source):
     a, b = board.open("a"), board.open("b")
     board.add(a, a_order[:40], 0)
     board.add(b, b_order[:40], 0)
-    p.run_until_idle()
+    run_until_idle(p)
     assert a.pinned <= board.budget() and b.pinned <= board.budget()
     assert a.pinned > 0 and b.pinned > 0
     assert core.cache.ram.pinned_bytes <= board.limit
@@ -228,7 +228,7 @@ def test_two_jobs_share_the_budget_and_each_reads_from_ram(source):
     for i in range(40):
         for path in (a_order[i], b_order[i]):
             assert core.read(path, 0, FILE) == files[path]
-        p.run_until_idle()
+        run_until_idle(p)
     assert ram_hit_rate(core, before) > 0.9
     board.close(a)
     board.close(b)
@@ -241,7 +241,7 @@ def test_a_hinted_file_that_fails_is_counted_and_the_rest_go_on(source):
     core, p = hinted_core(source, ram=2_000_000)
     session = core.hints.open("job")
     core.hints.add(session, ["/train/missing.jpg", *list(files)[:3]], 0)
-    p.run_until_idle()
+    run_until_idle(p)
     assert core.stats.get("hint.errors") == 1 and core.stats.get("hint.from_source") == 3
 
 
@@ -250,7 +250,7 @@ def test_without_hints_nothing_changes(source):
     core, p = hinted_core(source, ram=2_000_000)
     for path in files:
         core.read(path, 0, FILE)
-    p.run_until_idle()
+    run_until_idle(p)
     assert core.hints is not None and not core.hints.holding
     assert core.stats.get("hint.from_source") == 0 and core.cache.ram.pinned_bytes == 0
 

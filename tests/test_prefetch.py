@@ -1,6 +1,7 @@
 """The prefetch executor, driven by step() in the test's thread: no threads, no clock."""
 
 from cachefs.prefetch import DIR, READAHEAD, WARM, Prefetcher
+from tests.helpers import run_until_idle
 
 
 def test_best_priority_first_then_feeders_in_priority_order():
@@ -12,7 +13,7 @@ def test_best_priority_first_then_feeders_in_priority_order():
     p.add_feeder(DIR, lambda: (lambda x: (x, lambda: ran.append(x)) if x else None)(next(dir_items, None)))
     p.submit("r1", lambda: ran.append("r1"), READAHEAD)
     p.submit("r2", lambda: ran.append("r2"), READAHEAD)
-    assert p.run_until_idle() == 5
+    assert run_until_idle(p) == 5
     assert ran == ["r1", "r2", "d1", "w1", "w2"]
 
 
@@ -23,7 +24,7 @@ def test_a_queued_key_runs_once_and_a_better_priority_wins():
     assert not p.submit("k", lambda: ran.append("again"), WARM)       # de-duplicated
     assert p.submit("k", lambda: ran.append("readahead"), READAHEAD)  # upgraded
     p.submit("other", lambda: ran.append("other"), DIR)
-    p.run_until_idle()
+    run_until_idle(p)
     assert ran == ["readahead", "other"]
 
 
@@ -39,7 +40,7 @@ def test_a_failing_task_is_counted_and_the_executor_goes_on():
     ran = []
     p.submit("bad", lambda: 1 / 0, READAHEAD)
     p.submit("good", lambda: ran.append(1), READAHEAD)
-    assert p.run_until_idle() == 2 and ran == [1]
+    assert run_until_idle(p) == 2 and ran == [1]
     assert p._stats.get("prefetch.errors") == 1
 
 
@@ -50,7 +51,7 @@ def test_a_broken_feeder_is_removed():
         raise RuntimeError("boom")
 
     p.add_feeder(DIR, broken)
-    assert p.run_until_idle() == 0
+    assert run_until_idle(p) == 0
     assert p._feeders == []
 
 

@@ -3,22 +3,10 @@
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
 
 import xxhash
 
-
-class FileId(NamedTuple):
-    """A source file's identity. A change of size, mtime or ctime is a new file to the cache.
-
-    ctime catches a file replaced by another of the same size and mtime (cp -p, a tarball
-    re-extracted with fixed mtimes); a chmod also changes it, which only costs a refetch.
-    """
-
-    path: str
-    size: int
-    mtime_ns: int
-    ctime_ns: int = 0
+from cachefs.identity import FileId
 
 
 def block_count(size: int, block_size: int) -> int:
@@ -52,6 +40,8 @@ def entry_id(namespace: bytes, fid: FileId, block_size: int) -> bytes:
     """
     path = fid.path.encode("utf-8", "surrogateescape")
     key = b"%s\0%s\0%d\0%d\0%d\0%d" % (namespace, path, fid.size, fid.mtime_ns, fid.ctime_ns, block_size)
+    if fid.version:  # a store's own version name (ETag); POSIX keys are as they always were
+        key += b"\0" + fid.version.encode("utf-8", "surrogateescape")
     return xxhash.xxh3_128_digest(key)
 
 

@@ -1,4 +1,5 @@
-"""The cachefs command line: mount, stats, umount. `main(argv)` is callable from tests."""
+"""The cachefs command line: mount, umount, stats, warm and diagnose. `main(argv)` is callable
+from tests."""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ def _count_file(core: Core, path: str, attr: Attr | None, report: dict[str, Any]
         report["errors"] += 1
         report["files"] -= 1
         return
-    fid = FileId(path, attr.size, attr.mtime_ns, attr.ctime_ns)
+    fid = FileId.of(path, attr)
     bs = core.block_size
     blocks = -(-fid.size // bs)
     ram, disk = core.cache.ram, core.cache.disk

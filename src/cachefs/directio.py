@@ -89,17 +89,6 @@ def pread_direct(fd: int, offset: int, size: int) -> bytes:
             buf.close()
 
 
-def read_file(path: str, direct: bool) -> bytes:
-    """A whole file, with O_DIRECT if `direct`. Raises OSError (EINVAL: the filesystem
-    refuses O_DIRECT, as tmpfs does)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECT if direct else 0))
-    try:
-        size = os.fstat(fd).st_size
-        return pread_direct(fd, 0, size) if direct else pread(fd, 0, size)
-    finally:
-        os.close(fd)
-
-
 log = logging.getLogger(__name__)
 
 OUT_OF_DESCRIPTORS = (errno.EMFILE, errno.ENFILE)

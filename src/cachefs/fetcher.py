@@ -52,7 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from cachefs.blocks import FileId, entry_id
 from cachefs.errors import SourceChanged
-from cachefs.source import Attr, LocalSource
+from cachefs.source import LocalSource
 from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -429,10 +429,6 @@ def _child_env() -> dict[str, str]:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return env
-
-
-def attr_of(values: tuple) -> Attr:  # type: ignore[type-arg]
-    return Attr(*values)
 
 
 if __name__ == "__main__":

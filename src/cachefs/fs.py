@@ -255,9 +255,9 @@ class _Backings:
         return len(self._ids)
 
 
-def _version(attr: Attr) -> tuple[int, int, int, int]:
+def _version(attr: Attr) -> tuple[int, int, int, int, str]:
     """What makes two stats of a regular file the same version (as FileId, with the type)."""
-    return stat_mod.S_IFMT(attr.mode), attr.size, attr.mtime_ns, attr.ctime_ns
+    return stat_mod.S_IFMT(attr.mode), attr.size, attr.mtime_ns, attr.ctime_ns, attr.version
 
 
 class Nodes:
@@ -532,7 +532,7 @@ class CachefsFS(Operations):
         v = self.nodes.version(nodeid)
         if v is None:
             return self.core.file_id(path)
-        return FileId(path, v.size, v.mtime_ns, v.ctime_ns)
+        return FileId.of(path, v)
 
     # -- metadata ----------------------------------------------------------------------------
 

@@ -112,7 +112,7 @@ class MemorySource:
         attr, data = self._enter("read_range", fid.path)
         if not attr.is_file:
             raise IsADirectoryError(errno.EISDIR, "not a file", fid.path)
-        same = (attr.size, attr.mtime_ns, attr.ctime_ns) == (fid.size, fid.mtime_ns, fid.ctime_ns)
+        same = fid.matches(attr)
         if not same or offset + size > attr.size:
             raise SourceChanged(fid.path)
         assert isinstance(data, bytes)
@@ -124,7 +124,7 @@ class MemorySource:
         attr, data = self._enter("read_range", path)  # one request, as a read
         if not attr.is_file:
             raise OSError(errno.EINVAL, "not a regular file", path)
-        if expect is not None and (attr.size, attr.mtime_ns, attr.ctime_ns) != expect[1:]:
+        if expect is not None and not expect.matches(attr):
             raise SourceChanged(path)
         if attr.size > limit:
             return attr, None

@@ -22,9 +22,8 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from cachefs.stats import Stats
+from cachefs.stats import SOURCE_OPS, Stats
 
-SOURCE_OPS = ("read_range", "stat", "listdir", "readlink", "statfs", "getxattr", "listxattr")
 _NAME_OK = re.compile(r"[^a-zA-Z0-9_]")
 
 

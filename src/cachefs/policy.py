@@ -103,10 +103,6 @@ class Policy:
     def keys(self) -> list[Hashable]:
         return list(self._entries)
 
-    def size_of(self, key: Hashable) -> int | None:
-        entry = self._entries.get(key)
-        return entry[0] if entry else None
-
     def has_room(self, size: int) -> bool:
         return self.used + size <= self.capacity
 
@@ -180,45 +176,38 @@ class Policy:
         """Make room for `key` and record it; returns the victims the tier must drop, or
         None if the block is refused. With evict=False (read-ahead, warming) only free room
         is used: a guess never pushes out cached data."""
-        if key in self._entries:
-            self.remove(key)  # a re-put replaces: refused, the key is not held at all
-        if size > self.capacity:
-            return None
-        victims: list[Hashable] | None = []
-        if self.used + size > self.capacity:
-            if not evict:
-                return None
-            victims = self._victims(self.used + size - self.capacity)
-            if victims is None:
-                return None
-            for victim in victims:
-                self.remove(victim)
-        self._entries[key] = (size, self._tick, self._clock())
-        self.used += size
-        if not evict:
-            self._unread.add(key)
-        return victims
+        return self._admit(key, size, None if evict else 0)
 
     def admit_pinned(self, key: Hashable, size: int, pin_limit: int) -> list[Hashable] | None:
         """Admit a hinted block, pinned: room comes from stale entries, then unpinned ones
         oldest access first, whatever the policy. None (refused) if the pins would exceed
         `pin_limit` bytes or everything else is pinned."""
+        return self._admit(key, size, pin_limit)
+
+    def _admit(self, key: Hashable, size: int, pin_limit: int | None) -> list[Hashable] | None:
+        """admit (pin_limit None: evict as the policy says; 0: never evict, a guess) and
+        admit_pinned (pin_limit > 0: evict oldest access first, then pin)."""
         if key in self._entries:
-            self.remove(key)
-        if size > self.capacity or self.pinned_bytes + size > pin_limit:
+            self.remove(key)  # a re-put replaces: refused, the key is not held at all
+        pinned = bool(pin_limit)
+        if size > self.capacity or (pinned and self.pinned_bytes + size > pin_limit):  # type: ignore[operator]
             return None
-        need = self.used + size - self.capacity
         victims: list[Hashable] | None = []
+        need = self.used + size - self.capacity
         if need > 0:
-            victims = self._lru_victims(need)
+            if pin_limit == 0:
+                return None
+            victims = self._lru_victims(need) if pinned else self._victims(need)
             if victims is None:
                 return None
             for victim in victims:
                 self.remove(victim)
         self._entries[key] = (size, self._tick, self._clock())
         self.used += size
-        self._unread.add(key)  # its first read is no reuse
-        self.pin(key)
+        if pin_limit is not None:
+            self._unread.add(key)  # fetched ahead or hinted: its first read is no reuse
+        if pinned:
+            self.pin(key)
         return victims
 
     def pin(self, key: Hashable) -> bool:

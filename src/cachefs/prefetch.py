@@ -137,13 +137,6 @@ class Prefetcher:
             log.debug("prefetch task failed: %s", exc)
         return True
 
-    def run_until_idle(self, limit: int = 1_000_000) -> int:
-        """Run tasks in this thread until none is left (tests, `cachefs warm` without a daemon)."""
-        n = 0
-        while n < limit and self.step():
-            n += 1
-        return n
-
     def _worker(self) -> None:
         while True:
             with self._lock:

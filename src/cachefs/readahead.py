@@ -104,7 +104,3 @@ class DirectoryCursor:
             if name not in self._skip:
                 return name
         return None
-
-    @property
-    def remaining(self) -> int:
-        return len(self._names) - self._pos

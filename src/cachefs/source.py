@@ -14,53 +14,17 @@ import os
 import stat as stat_mod
 import threading
 import time
-from typing import NamedTuple, Protocol
+from typing import Protocol
 
-from cachefs.blocks import FileId
 from cachefs.config import LISTING_CHEAP_STAT, LISTING_PROBE_EVERY, LISTING_SLOW_STAT, LISTING_STAT_BUDGET
 from cachefs.directio import ALIGN as _ALIGN
 from cachefs.directio import DescriptorCache
 from cachefs.directio import pread as _pread
 from cachefs.directio import pread_direct as _pread_direct
 from cachefs.errors import SourceChanged
+from cachefs.identity import Attr, DirEntry, FileId
 
 log = logging.getLogger(__name__)
-
-
-class Attr(NamedTuple):
-    """The stat fields cachefs mirrors; times in nanoseconds."""
-
-    mode: int
-    nlink: int
-    uid: int
-    gid: int
-    size: int
-    atime_ns: int
-    mtime_ns: int
-    ctime_ns: int
-    blocks: int = 0
-    rdev: int = 0
-    ino: int = 0
-
-    @classmethod
-    def from_stat(cls, st: os.stat_result) -> Attr:
-        return cls(st.st_mode, st.st_nlink, st.st_uid, st.st_gid, st.st_size,
-                   st.st_atime_ns, st.st_mtime_ns, st.st_ctime_ns, st.st_blocks, st.st_rdev, st.st_ino)
-
-    @property
-    def is_file(self) -> bool:
-        return stat_mod.S_ISREG(self.mode)
-
-    @property
-    def is_dir(self) -> bool:
-        return stat_mod.S_ISDIR(self.mode)
-
-
-class DirEntry(NamedTuple):
-    name: str
-    type_mode: int  # only the S_IFMT bits: what readdir reports as d_type
-    ino: int = 0
-    attr: Attr | None = None  # with listdir(path, attrs=True)
 
 
 class Source(Protocol):
@@ -442,7 +406,7 @@ class LocalSource:
             attr = Attr.from_stat(st)
             if not stat_mod.S_ISREG(st.st_mode):
                 raise OSError(errno.EINVAL, "not a regular file", path)
-            fid = FileId(path, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            fid = FileId.of(path, Attr.from_stat(st))
             if expect is not None and fid != expect:
                 raise SourceChanged(path)
             if st.st_size > limit:
@@ -464,7 +428,7 @@ class LocalSource:
     @staticmethod
     def _check(fd: int, fid: FileId) -> None:
         st = os.fstat(fd)
-        if (st.st_size, st.st_mtime_ns, st.st_ctime_ns) != (fid.size, fid.mtime_ns, fid.ctime_ns):
+        if not fid.matches(Attr.from_stat(st)):
             raise SourceChanged(fid.path)
 
     def readlink(self, path: str) -> str:

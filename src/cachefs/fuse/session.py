@@ -96,9 +96,6 @@ class Connection:
     passthrough: bool = False      # the kernel grants FUSE_PASSTHROUGH on this connection
     no_open: bool = False          # the kernel supports zero-message opens
 
-    def capable(self, flag: int) -> bool:
-        return bool(self.kernel_flags & flag)
-
 
 class Operations:
     """A file system. Every method may raise FuseError (or OSError) to reply with an errno.
@@ -537,12 +534,6 @@ class Session:
         return True
 
     # -- notifications and backing files ---------------------------------------------------
-
-    def notify_inval_inode(self, nodeid: int, offset: int = 0, length: int = 0) -> bool:
-        """Make the kernel drop a node's cached attributes and pages [offset, offset+length)
-        (length 0: to the end; offset -1: attributes only). False if it did not know the node.
-        Never call it from the thread answering a request about the same node."""
-        return self._notify(p.NOTIFY_INVAL_INODE, [p.NOTIFY_INVAL_INODE_OUT.pack(nodeid, offset, length)])
 
     def notify_inval_entry(self, parent: int, name: bytes) -> bool:
         """Make the kernel forget the name `name` in directory `parent`."""

@@ -3,7 +3,7 @@
 
 Why not diskcache any more: a block stored through diskcache (a SQLite row, a value file
 with cachefs's header) cost 0.29 ms of CPU; a plain file plus an index line with its xxh3
-costs 0.10-0.12 ms (tools/storebench.py, docs/benchmarks.md), and a cold epoch's budget
+costs 0.10-0.12 ms (measured when the format changed, docs/benchmarks.md), and a cold epoch's budget
 is 0.3 ms per file in all. And the kernel can pass reads through to a plain file, never
 to a value file with a header.
 
@@ -36,8 +36,8 @@ import time
 
 from cachefs.config import format_size
 from cachefs.directio import pread, pread_direct
+from cachefs.identity import Attr
 from cachefs.policy import DEFAULT_POLICY, Policy
-from cachefs.source import Attr
 from cachefs.stats import Stats
 from cachefs.tiers import index
 from cachefs.tiers.store import (

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Iterator
 from typing import NamedTuple
 
-from cachefs.source import Attr
+from cachefs.identity import STAT_FIELDS, Attr
 
 NAME = "index.v1"
 
@@ -67,7 +67,7 @@ def _line(fields: list[str]) -> bytes:
 
 
 def entry_line(entry: str, block_size: int, stored_at: float, attr: Attr, path: str) -> bytes:
-    return _line(["E", entry, str(block_size), f"{stored_at:.3f}", *(str(int(x)) for x in attr),
+    return _line(["E", entry, str(block_size), f"{stored_at:.3f}", *(str(int(x)) for x in attr[:STAT_FIELDS]),
                   os.fsencode(path).hex()])
 
 
@@ -95,7 +95,7 @@ def parse(line: bytes) -> Record | None:
         if kind == "B" and len(f) == 4:
             return BlockRecord(f[1], int(f[2]), int(f[3], 16))
         if kind == "E" and len(f) == 16:
-            return EntryRecord(f[1], int(f[2]), float(f[3]), Attr(*(int(x) for x in f[4:15])),
+            return EntryRecord(f[1], int(f[2]), float(f[3]), Attr(*[int(x) for x in f[4:15]])  # type: ignore[arg-type],
                                os.fsdecode(bytes.fromhex(f[15])))
         if kind == "D" and len(f) == 3:
             return DropRecord(f[1], int(f[2]))

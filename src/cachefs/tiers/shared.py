@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 import xxhash
 
-from cachefs.blocks import FileId
+from cachefs.identity import FileId
 from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)

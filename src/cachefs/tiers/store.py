@@ -28,8 +28,8 @@ from typing import NamedTuple
 import xxhash
 
 from cachefs.directio import DescriptorCache, pread, pread_direct
+from cachefs.identity import Attr
 from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
-from cachefs.source import Attr
 from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
