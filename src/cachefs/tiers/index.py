@@ -95,8 +95,8 @@ def parse(line: bytes) -> Record | None:
         if kind == "B" and len(f) == 4:
             return BlockRecord(f[1], int(f[2]), int(f[3], 16))
         if kind == "E" and len(f) == 16:
-            return EntryRecord(f[1], int(f[2]), float(f[3]), Attr(*[int(x) for x in f[4:15]])  # type: ignore[arg-type],
-                               os.fsdecode(bytes.fromhex(f[15])))
+            attr = Attr(*[int(x) for x in f[4:15]])  # type: ignore[arg-type]  # the 11 integer fields
+            return EntryRecord(f[1], int(f[2]), float(f[3]), attr, os.fsdecode(bytes.fromhex(f[15])))
         if kind == "D" and len(f) == 3:
             return DropRecord(f[1], int(f[2]))
         if kind == "C" and len(f) == 2:
