@@ -49,10 +49,11 @@ def run_until_idle(prefetcher, limit: int = 1_000_000) -> int:
     return n
 
 
-def make_core(source, *, ram=64 << 20, disk=None, block_size=64 << 10, clock=None, **kw):
-    """A Core over `source` with a RAM tier (and `disk`, if given), no mount."""
-    stats = Stats()
-    cache = MultiLevelCache(MemoryTier(ram, stats), disk, stats)
+def make_core(source, *, ram=64 << 20, disk=None, shared=None, block_size=64 << 10, clock=None, stats=None, **kw):
+    """A Core over `source` with a RAM tier (and `disk`, `shared`, if given), no mount:
+    built by the constructor the daemon builds its core with (cachefs.daemon.build_core)."""
+    stats = stats or Stats()
+    cache = MultiLevelCache(MemoryTier(ram, stats), disk, stats, shared)
     extra = {"clock": clock} if clock is not None else {}
     return Core(source, cache, stats, namespace=b"test", block_size=block_size, **extra, **kw)
 

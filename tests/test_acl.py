@@ -57,8 +57,7 @@ def test_modes_are_cut_down_only_under_allow_other():
     src.add_file("/plain", b"y", mode=0o644)
     core = make_core(src)
     assert core.getattr("/secret").mode & 0o777 == 0o644  # the owner's own mount: the kernel is not asked
-    core = make_core(src)
-    core.check_acls = True
+    core = make_core(src, check_acls=True)
     assert core.getattr("/secret").mode & 0o777 == 0o640
     assert core.getattr("/plain").mode & 0o777 == 0o644
     assert core.getxattr("/secret", acl.XATTR) == src.xattrs["/secret"][acl.XATTR]  # passed through

@@ -180,7 +180,7 @@ def test_a_failed_fetch_is_reported_to_every_waiter_and_not_cached(source):
     core = make_core(source)
     with pytest.raises(OSError):
         core.read("/f", 0, 10)
-    assert core._inflight == {}
+    assert core.flights.inflight == {}
 
 
 def test_disk_tier_serves_a_fresh_core_without_the_source(tmp_path, source):
@@ -211,7 +211,7 @@ def test_a_deleted_file_keeps_its_errno_and_drops_the_stale_metadata(source, clo
     core.getattr("/f")
     source.remove("/f")
     seen = []
-    core.on_source_changed = lambda p: (seen.append(p), core.invalidate(p))
+    core.hooks.on_source_changed = lambda p: (seen.append(p), core.invalidate(p))
     with pytest.raises(FileNotFoundError):
         core.read("/f", 0, 4)
     assert seen == ["/f"]
@@ -226,7 +226,7 @@ def test_change_hook_runs_before_metadata_is_refreshed(source, clock):
     core.getattr("/f")
     source.add_file("/f", b"b" * 10, mtime_ns=2)
     held = []
-    core.on_source_changed = held.append        # e.g. waiting for the kernel to drop its pages
+    core.hooks.on_source_changed = held.append  # e.g. waiting for the kernel to drop its pages
     for _ in range(2):
         with pytest.raises(OSError) as info:
             core.read("/f", 0, 10)
@@ -397,8 +397,14 @@ def test_reads_that_wait_for_a_shared_nvme_fetch_count_as_hits(tmp_path, source)
     core.read("/f", 0, BS)
     disk.flush()
     core.cache.ram.discard(next(iter(core.cache.ram.policy.keys())))  # RAM forgets; NVMe keeps it
-    core.stats = stats = Stats()
-    core.cache._stats = stats
+    counted = core.stats
+    base = {n: counted.get(n) for n in ("ram.hits", "ram.misses", "disk.hits", "reads.inflight_waits")}
+
+    class stats:  # the counters from here on
+        @staticmethod
+        def get(name):
+            return counted.get(name) - base.get(name, 0)
+
     release = threading.Event()
     real_get = disk.get
 
@@ -411,7 +417,7 @@ def test_reads_that_wait_for_a_shared_nvme_fetch_count_as_hits(tmp_path, source)
     threads = [threading.Thread(target=lambda: results.append(core.read("/f", 0, BS))) for _ in range(8)]
     for t in threads:
         t.start()
-    while stats.get("ram.misses") < 1 or len(core._inflight) < 1:
+    while stats.get("ram.misses") < 1 or len(core.flights.inflight) < 1:
         threading.Event().wait(0.001)
     threading.Event().wait(0.05)  # let the others reach the in-flight fetch
     release.set()

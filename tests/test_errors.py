@@ -4,7 +4,7 @@ import errno
 
 import pytest
 
-from cachefs.errors import SourceChanged, to_errno
+from cachefs.errors import QUIET, SourceChanged, TierError, invalidates, source_failure, to_errno
 
 
 @pytest.mark.parametrize("exc,expected", [
@@ -24,3 +24,38 @@ from cachefs.errors import SourceChanged, to_errno
 ])
 def test_to_errno(exc, expected):
     assert to_errno(exc) == expected
+
+
+# The one errno table (cachefs/errors.py): which source failures mean "not answering",
+# which count as source errors, which make a file's cached identity wrong, and which a
+# reader is told without a log line.
+@pytest.mark.parametrize("exc,down,counted,invalidated", [
+    (OSError(errno.ETIMEDOUT, "x"), True, True, False),
+    (OSError(errno.ENOTCONN, "x"), True, True, False),
+    (FileNotFoundError(errno.ENOENT, "x"), False, False, True),
+    (OSError(errno.ENODATA, "x"), False, False, False),
+    (OSError(errno.ENOTSUP, "x"), False, False, False),
+    (OSError(errno.EINVAL, "x"), False, False, False),
+    (SourceChanged("/a"), False, False, False),
+    (OSError(errno.ELOOP, "x"), False, True, True),
+    (OSError(errno.EISDIR, "x"), False, True, True),
+    (OSError(errno.ENOTDIR, "x"), False, True, True),
+    (OSError(errno.EIO, "x"), False, True, False),
+    (OSError(errno.EACCES, "x"), False, True, False),
+    (OSError(errno.ESTALE, "x"), False, True, False),
+])
+def test_the_source_failure_table(exc, down, counted, invalidated):
+    assert source_failure(exc) == (down, counted)
+    assert invalidates(exc) == invalidated
+
+
+@pytest.mark.parametrize("code,quiet", [
+    (errno.ENOENT, True), (errno.ENODATA, True), (errno.EROFS, True), (errno.ENOSYS, True), (errno.ENOTTY, True),
+    (errno.EIO, False), (errno.EACCES, False), (errno.ESTALE, False), (errno.ETIMEDOUT, False), (errno.EAGAIN, False),
+])
+def test_what_a_reader_is_told_without_a_log_line(code, quiet):
+    assert (code in QUIET) == quiet
+
+
+def test_a_tier_failure_is_an_oserror_the_cache_turns_into_a_miss():
+    assert issubclass(TierError, OSError)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cachefs import core as core_mod
+from cachefs import guard as guard_mod
 from tests.helpers import make_core
 
 BS = 64 << 10
@@ -17,7 +17,7 @@ BS = 64 << 10
 
 @pytest.fixture
 def quick_retry(monkeypatch):
-    monkeypatch.setattr(core_mod, "SOURCE_RETRY", 0.2)
+    monkeypatch.setattr(guard_mod, "SOURCE_RETRY", 0.2)
 
 
 def files(source, n=6, size=3000):

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from cachefs.blocks import FileId, entry_id
-from cachefs.fetcher import Fetchers, FetchUnavailable
+from cachefs.fetcher import Fetchers, FetchUnavailable, Fill
 from cachefs.source import LocalSource
 from cachefs.stats import Stats
 from cachefs.tiers.disk import DiskTier
@@ -41,13 +41,14 @@ def test_a_small_file_is_read_once_and_written_as_its_entry(pool):
     src, data_dir, fetchers = pool
     payload = os.urandom(123_456)
     (src / "a.jpg").write_bytes(payload)
-    kind, attr, h = fetchers.fill("/a.jpg", BS, None, 5)
+    reply = fetchers.fill("/a.jpg", BS, None, 5)
+    kind, attr, h = reply.kind, reply.attr, reply.hash
     st = os.stat(src / "a.jpg")
     assert kind == "stored" and attr[4] == len(payload) and h == block_hash(payload)
     assert (attr[6], attr[7]) == (st.st_mtime_ns, st.st_ctime_ns)
     assert _entry_file(data_dir, "/a.jpg", st).read_bytes() == payload
     # a second fill finds the file there and leaves it alone
-    assert fetchers.fill("/a.jpg", BS, None, 5)[0] == "exists"
+    assert fetchers.fill("/a.jpg", BS, None, 5).kind == "exists"
 
 
 def test_large_changed_missing_and_not_a_file(pool):
@@ -55,20 +56,20 @@ def test_large_changed_missing_and_not_a_file(pool):
     (src / "big").write_bytes(b"x" * (BS + 1))
     (src / "d").mkdir()
     (src / "f").write_bytes(b"abc")
-    assert fetchers.fill("/big", BS, None, 5)[0] == "large"
+    assert fetchers.fill("/big", BS, None, 5).kind == "large"
     st = os.stat(src / "f")
-    assert fetchers.fill("/f", BS, FileId("/f", 4, st.st_mtime_ns, st.st_ctime_ns), 5) == ("changed",)
-    kind, code, _ = fetchers.fill("/missing", BS, None, 5)
-    assert (kind, code) == ("error", errno.ENOENT)
-    assert fetchers.fill("/d", BS, None, 5) == ("changed",)  # not a regular file: never read as one
+    assert fetchers.fill("/f", BS, FileId("/f", 4, st.st_mtime_ns, st.st_ctime_ns), 5).kind == "changed"
+    reply = fetchers.fill("/missing", BS, None, 5)
+    assert (reply.kind, reply.errno) == ("error", errno.ENOENT)
+    assert fetchers.fill("/d", BS, None, 5).kind == "changed"  # not a regular file: never read as one
 
 
 def test_a_symlink_out_of_the_source_is_not_followed(pool, tmp_path):
     src, _, fetchers = pool
     (tmp_path / "secret").write_bytes(b"secret")
     os.symlink(tmp_path / "secret", src / "link")
-    kind, code, _ = fetchers.fill("/link", BS, None, 5)
-    assert kind == "error" and code == errno.ELOOP
+    reply = fetchers.fill("/link", BS, None, 5)
+    assert reply.kind == "error" and reply.errno == errno.ELOOP
 
 
 def test_a_dead_fetch_process_is_reported_not_waited_for(pool):
@@ -98,7 +99,7 @@ def test_a_killed_fetch_process_is_reaped_at_once_and_started_again(pool):
     replies = []
     for _ in range(4):   # the dead process's channels are set aside as they fail
         try:
-            replies.append(fetchers.fill("/f", BS, None, 5)[0])
+            replies.append(fetchers.fill("/f", BS, None, 5).kind)
         except FetchUnavailable:
             replies.append("unavailable")
     assert "stored" in replies and replies[-1] in ("stored", "exists") and fetchers.channels == 2
@@ -112,8 +113,8 @@ def test_the_core_adopts_what_they_write_and_does_the_work_itself_without_them(t
         (src / name.lstrip("/")).write_bytes(data)
     disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
     core = make_core(LocalSource(str(src)), disk=disk, block_size=BS)
-    core.passthrough = True
-    core.fetchers = Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2)
+    core.hooks.connect(passthrough=True)  # as the file system does at INIT
+    core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2))
     try:
         assert [core.prefetch_small(n)[0] for n in list(files)[:3]] == ["fetched"] * 3
         core.fetchers.RESTART_EVERY = 60.0
@@ -144,8 +145,8 @@ def test_the_budget_holds_with_fetches_in_flight(tmp_path):
     budget = 600_000
     disk = DiskTier(str(tmp_path / "cache"), budget, Stats(), scrub=False)
     core = make_core(LocalSource(str(src)), disk=disk, block_size=64 << 10)
-    core.passthrough = True
-    core.fetchers = Fetchers(str(src), disk.data_dir, core.namespace, 64 << 10, processes=1, channels=4)
+    core.hooks.connect(passthrough=True)
+    core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, 64 << 10, processes=1, channels=4))
     try:
         import concurrent.futures as cf
 
@@ -169,10 +170,11 @@ def test_a_batch_is_one_request_with_a_reply_per_file(pool):
     reqs = []
     for name in ("f0", "f1", "f2", "f3", "f4", "big", "missing"):
         st = os.stat(src / name) if (src / name).exists() else None
-        reqs.append((f"/{name}", BS, FileId(f"/{name}", st.st_size, st.st_mtime_ns, st.st_ctime_ns) if st else None))
-    kind, replies, counts = fetchers.fill_many(reqs, 5)
-    assert kind == "many" and counts == {}
-    assert [r[0] for r in replies] == ["stored"] * 5 + ["large", "error"]
+        fid = FileId(f"/{name}", st.st_size, st.st_mtime_ns, st.st_ctime_ns) if st else None
+        reqs.append(Fill(f"/{name}", BS, fid))
+    replies, counts = fetchers.fill_many(reqs, 5)
+    assert counts == {}
+    assert [r.kind for r in replies] == ["stored"] * 5 + ["large", "error"]
     for i in range(5):
         name = entry_id(NS, FileId(f"/f{i}", *reqs[i][2][1:]), BS).hex()
         assert (data_dir / name[:2] / name).read_bytes() == bytes([i]) * (100 + i)

@@ -165,7 +165,7 @@ def test_a_reader_of_a_block_a_guess_waits_to_fetch_promotes_it():
         fid = FileId("/big", a.size, a.mtime_ns, a.ctime_ns)
         prefetcher.submit("guess", lambda: core.prefetch_block(fid, 2), READAHEAD)
         deadline = time.monotonic() + 5
-        while not core._inflight:                 # the guess owns the block, held at the gate
+        while not core.flights.inflight:                 # the guess owns the block, held at the gate
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert source.calls["read_range"] == 0

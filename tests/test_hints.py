@@ -87,8 +87,7 @@ def make_dataset(source, n, seed=0):
 
 def hinted_core(source, ram, disk=None):
     p = Prefetcher(workers=0)
-    core = make_core(source, prefetcher=p, ram=ram, block_size=BS, disk=disk)
-    attach(core)
+    core = make_core(source, prefetcher=p, ram=ram, block_size=BS, disk=disk, hints=attach)
     return core, p
 
 
@@ -261,8 +260,7 @@ def test_without_hints_nothing_changes(source):
 def served(source):
     files = make_dataset(source, 30)
     p = Prefetcher(workers=2)
-    core = make_core(source, prefetcher=p, ram=4_000_000, block_size=BS)
-    attach(core)
+    core = make_core(source, prefetcher=p, ram=4_000_000, block_size=BS, hints=attach)
     p.start()
     address = f"\0cachefs-test-hints-{os.getpid()}-{threading.get_ident()}"
     server = ControlServer(address, {}, streams=control_streams(core))

@@ -110,7 +110,7 @@ def test_after_a_restart_the_check_of_a_directory_fetches_every_missing_attribut
     source.listing_attrs = 2
     changed = []
     core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False))
-    core.on_source_changed = changed.append
+    core.hooks.on_source_changed = changed.append
     assert core.getattr("/d/f7").size == 107   # answered from the index ...
     core.readdir("/d")                          # ... and the listing's check finds the change
     assert changed == ["/d/f7"] and core.stats.get("metadata.index_stale") == 1

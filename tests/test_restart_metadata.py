@@ -26,7 +26,7 @@ def _restarted(tmp_path, source: MemorySource, files: dict[str, bytes], **kw):
 
 def _checked(core, directory: str) -> None:
     deadline = time.monotonic() + 10
-    while directory not in core._checked_dirs:
+    while directory not in core.metadata._checked_dirs:
         assert time.monotonic() < deadline, "the directory was never checked"
         time.sleep(0.01)
 
@@ -70,7 +70,7 @@ def test_the_check_finds_files_changed_or_gone_and_invalidates_them(tmp_path):
     source.add_file("/d/f3", b"rewritten")
     source.remove("/d/f4")
     changed = []
-    core.on_source_changed = lambda path: (changed.append(path), core.invalidate(path))
+    core.hooks.on_source_changed = lambda path: (changed.append(path), core.invalidate(path))
     source.hang("/d")  # the check waits until every lookup was answered
     for name in FILES:
         core.getattr(name)  # answered from the index: the version that was cached

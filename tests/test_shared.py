@@ -7,9 +7,10 @@ import os
 import pytest
 
 from cachefs.blocks import FileId
+from cachefs.config import parse_servers
 from cachefs.memsource import MemorySource
 from cachefs.stats import Stats
-from cachefs.tiers.shared import SharedTier, parse_servers
+from cachefs.tiers.shared import SharedTier
 from tests.helpers import FakeClock, make_core
 
 
@@ -79,8 +80,8 @@ def test_a_block_put_by_one_node_is_got_verified_by_another():
     server = FakeServer()
     a, b = tier([server]), tier([server])
     data = os.urandom(3000)
-    assert a.put(FID, 0, data, len(data)) and a.drain()
-    assert b.get(FID, 0, 3000) == data
+    assert a.put_block(FID, 0, data, len(data)) and a.drain()
+    assert b.get_block(FID, 0, 3000) == data
     assert b.stats.get("shared.hits") == 1 and b.stats.get("shared.bytes") == 3000
     assert a.stats.get("shared.puts") == 1 and a.stats.get("shared.put_bytes") == 3000
     a.close()
@@ -104,20 +105,20 @@ def test_damaged_or_misfiled_items_are_misses_never_bytes():
     server = FakeServer()
     t = tier([server])
     data = os.urandom(3000)
-    t.put(FID, 0, data, len(data))
+    t.put_block(FID, 0, data, len(data))
     t.drain()
     key = t.key(FID, 0)
     good = server.items[key]
     server.items[key] = good[:-1] + bytes([good[-1] ^ 1])  # one bit flipped
-    assert t.get(FID, 0, 3000) is None
+    assert t.get_block(FID, 0, 3000) is None
     server.items[key] = good[:40]  # truncated
-    assert t.get(FID, 0, 3000) is None
+    assert t.get_block(FID, 0, 3000) is None
     other = FileId("/train/n01/b.jpg", 3000, FID.mtime_ns, 1)
     server.items[t.key(other, 0)] = good  # another block's item under this key
-    assert t.get(other, 0, 3000) is None
+    assert t.get_block(other, 0, 3000) is None
     assert t.stats.get("shared.checksum_failures") == 3 and t.stats.get("shared.hits") == 0
     server.items[key] = good
-    assert t.get(FID, 0, 3000) == data
+    assert t.get_block(FID, 0, 3000) == data
     t.close()
 
 
@@ -126,16 +127,16 @@ def test_a_block_bigger_than_an_item_is_split_on_one_server_and_checked_whole():
     t = tier(servers, block_size=1 << 20)
     big = FileId("/big.bin", 5 << 20, 1, 1)
     data = os.urandom(1 << 20)
-    t.put(big, 2, data, len(data))
+    t.put_block(big, 2, data, len(data))
     t.drain()
     holders = [s for s in servers if s.items]
     assert len(holders) == 1 and len(holders[0].items) == 17  # 1 MiB in items of under 64 KiB
-    assert t.get(big, 2, 1 << 20) == data
+    assert t.get_block(big, 2, 1 << 20) == data
     part = next(k for k in holders[0].items if k.endswith(b"/9"))
     holders[0].items[part] = os.urandom(len(holders[0].items[part]))
-    assert t.get(big, 2, 1 << 20) is None and t.stats.get("shared.checksum_failures") == 1
+    assert t.get_block(big, 2, 1 << 20) is None and t.stats.get("shared.checksum_failures") == 1
     del holders[0].items[part]
-    assert t.get(big, 2, 1 << 20) is None  # an evicted part: a plain miss
+    assert t.get_block(big, 2, 1 << 20) is None  # an evicted part: a plain miss
     t.close()
 
 
@@ -145,14 +146,14 @@ def test_keys_spread_over_servers_and_a_down_server_sends_only_its_keys_to_the_s
     t = tier(servers, clock=clock)
     fids = [FileId(f"/f{i}", 100, 1, 1) for i in range(400)]
     for f in fids:
-        t.put(f, 0, b"x" * 100, 100)
+        t.put_block(f, 0, b"x" * 100, 100)
     t.drain()
     counts = [len(s.items) for s in servers]
     assert sum(counts) == 400 and min(counts) > 60, counts  # rendezvous hashing spreads them
     servers[1].fail = TimeoutError("timed out")
     servers[1].requests = 0
     with caplog.at_level(logging.WARNING):
-        got = [t.get(f, 0, 100) for f in fids]
+        got = [t.get_block(f, 0, 100) for f in fids]
     lost = sum(1 for g in got if g is None)
     assert lost == counts[1] and all(g == b"x" * 100 for g in got if g is not None)
     assert t.stats.get("shared.errors") == 1  # one timeout; then its keys skip it
@@ -161,7 +162,7 @@ def test_keys_spread_over_servers_and_a_down_server_sends_only_its_keys_to_the_s
     servers[1].fail = None
     clock.advance(t.down_for + 0.1)
     with caplog.at_level(logging.WARNING):
-        assert all(t.get(f, 0, 100) == b"x" * 100 for f in fids)  # the probe brings it back
+        assert all(t.get_block(f, 0, 100) == b"x" * 100 for f in fids)  # the probe brings it back
     assert t.servers_down() == 0 and any("answering again" in r.message for r in caplog.records)
     lines = t.servers()
     assert [x["up"] for x in lines] == [True] * 4 and abs(sum(x["hit_share"] for x in lines) - 1) < 0.01
@@ -173,7 +174,7 @@ def test_a_full_put_queue_drops_and_counts_instead_of_waiting():
     server.fail = None
     t = tier([server], pending_bytes=10_000)
     t._pending = 9_000  # as if 9 KB were still queued
-    assert not t.put(FID, 0, b"y" * 3000, 3000)
+    assert not t.put_block(FID, 0, b"y" * 3000, 3000)
     assert t.stats.get("shared.put_dropped") == 1
     t._pending = 0
     t.close()
@@ -188,16 +189,16 @@ def test_two_nodes_over_one_tier_the_second_reads_nothing_from_its_source():
         src = MemorySource()
         for path, data in files.items():
             src.add_file(path, data, mtime_ns=1_000_000_000)
-        core = make_core(src, block_size=64 << 10)
-        core.shared = tier([server], block_size=64 << 10, stats=core.stats)
+        stats = Stats()
+        core = make_core(src, block_size=64 << 10, stats=stats, shared=tier([server], block_size=64 << 10, stats=stats))
         nodes.append((src, core))
     (src_a, a), (src_b, b) = nodes
     for path, data in files.items():
         assert a.read(path, 0, len(data)) == data
-    a.shared.drain()
+    a.cache.drain_shared()
     for path, data in files.items():
         assert b.read(path, 0, len(data)) == data
     assert src_b.calls["read_range"] == 0 and src_a.calls["read_range"] == 20 + 5
     assert b.stats.get("shared.hits") == 25 and b.stats.get("shared.served_bytes") == sum(map(len, files.values()))
     for _, core in nodes:
-        core.shared.close()
+        core.close()

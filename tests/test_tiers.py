@@ -11,13 +11,14 @@ import threading
 
 import pytest
 
+from cachefs.identity import EntryInfo
 from cachefs.source import Attr
 from cachefs.stats import Stats
 from cachefs.tiers import index
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.memory import MemoryTier, sweep_stale
 from cachefs.tiers.multilevel import MultiLevelCache
-from cachefs.tiers.store import EntryInfo, allocated
+from cachefs.tiers.store import allocated
 
 BS = 64 << 10
 
@@ -409,11 +410,13 @@ def test_multilevel_promotes_disk_hits_into_ram(disk):
     put(d, 1, b"data" * 1000)
     cache = MultiLevelCache(MemoryTier(1 << 20, stats), d, stats)
     assert cache.ram.get((eid(1), 0)) is None
-    assert cache.get_disk((eid(1), 0)) == b"data" * 1000
+    assert cache.get_local((eid(1), 0)) == (b"data" * 1000, "disk")
     assert cache.ram.get((eid(1), 0)) == b"data" * 1000
     assert stats.get("ram.promotions") == 1 and stats.get("disk.hits") == 1
-    assert cache.get_disk((eid(9), 0)) is None and stats.get("disk.misses") == 1
-    assert cache.backing(eid(1)).tier is cache.ram           # RAM first
+    assert cache.get_local((eid(9), 0)) is None and stats.get("disk.misses") == 1
+    backing = cache.acquire_backing(eid(1))
+    assert backing.tier is cache.ram and backing.in_ram      # RAM first
+    backing.release()
     cache.ram.close()
 
 

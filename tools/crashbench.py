@@ -22,9 +22,9 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cachefs.identity import EntryInfo
 from cachefs.source import Attr
 from cachefs.tiers.disk import DiskTier
-from cachefs.tiers.store import EntryInfo
 from tools.common import add_workspace_options, ensure_dataset, median, workspace, write_json
 from tools.mounts import cachefs_cli, cachefs_stats, is_mounted, unmount
 

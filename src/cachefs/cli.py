@@ -104,7 +104,7 @@ def _parse_metrics_addr(text: str) -> object:
 
 
 def _parse_shared_cache(text: str) -> object:
-    from cachefs.tiers.shared import parse_servers
+    from cachefs.config import parse_servers
 
     return parse_servers(text)
 

@@ -112,6 +112,20 @@ DEFAULT_PASSTHROUGH = "auto"
 # read-ahead) until they are complete, and passed through from then on.
 WHOLE_FILE_MAX = 16 * MiB
 
+# Directory read-ahead with a shared tier: sibling files per fetch process request (one
+# shared-tier round trip for all of them). Not without one: from the source a batch is as
+# slow as its slowest file, and a reader waiting for one file waits for it (cold epoch
+# 1,537 -> 1,359 files/s with batches of 16, for 0.12 ms less CPU per file).
+DIR_BATCH = 16
+
+# Seconds read-ahead and warming wait for room in the shared tier's put queue (so that
+# what they fetch is shared); a reader's own miss never waits.
+SHARED_PUT_WAIT = 30.0
+
+# Blocks of big files a random reader missed once, remembered to fetch a block whole
+# (in the background) when it is missed a second time.
+MISSED_BLOCKS = 1 << 16
+
 # Backing files kept registered with the kernel after the last open of their file closes
 # (passthrough): registering one cost an open about 35 us of CPU, and the next epoch opens
 # the same files. Each holds an open file in the kernel (a few hundred bytes).
@@ -247,3 +261,23 @@ class Config:
     max_idle: float = DEFAULT_MAX_IDLE  # seconds; 0 = off
     min_free: int | None = None  # bytes; None = DEFAULT_MIN_FREE_* rule
     source_timeout: float = DEFAULT_SOURCE_TIMEOUT  # seconds; 0 = off
+
+
+SHARED_SCHEME = "memcached://"  # --shared-cache memcached://HOST:PORT[,HOST:PORT...]
+
+
+def parse_servers(spec: str) -> list[tuple[str, int]]:
+    """`memcached://HOST:PORT[,HOST:PORT...]` -> [(host, port), ...]; ValueError with the reason.
+    `+` separates servers too: mount -o and fstab split options on commas."""
+    if not spec.startswith(SHARED_SCHEME):
+        raise ValueError(f"expected {SHARED_SCHEME}HOST:PORT[,HOST:PORT...]")
+    servers = []
+    for part in spec[len(SHARED_SCHEME):].replace("+", ",").split(","):
+        host, sep, port = part.strip().rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"{part.strip()!r} is not HOST:PORT")
+        servers.append((host, int(port)))
+    if len(set(servers)) != len(servers):
+        raise ValueError("a server is named twice")
+    return servers

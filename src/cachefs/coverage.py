@@ -22,11 +22,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from cachefs.blocks import FileId, block_extent, block_key
+from cachefs.blocks import block_extent, block_key
+from cachefs.identity import FileId
 
 if TYPE_CHECKING:
     from cachefs.core import Core
-    from cachefs.source import Attr
+    from cachefs.identity import Attr
 
 TIERS = ("ram", "disk", "cached")
 
@@ -98,14 +99,12 @@ def _count_file(core: Core, path: str, attr: Attr | None, report: dict[str, Any]
     fid = FileId.of(path, attr)
     bs = core.block_size
     blocks = -(-fid.size // bs)
-    ram, disk = core.cache.ram, core.cache.disk
     held = {"ram": 0, "disk": 0, "cached": 0}
     whole = {"ram": True, "disk": True, "cached": True}
     for index in range(blocks):
         key = block_key(core.namespace, fid, index, bs)
         length = block_extent(index, fid.size, bs)[1]
-        in_ram = key in ram
-        on_disk = disk is not None and disk.probably_has(key)
+        in_ram, on_disk = core.cache.held(key)
         for tier, there in (("ram", in_ram), ("disk", on_disk), ("cached", in_ram or on_disk)):
             if there:
                 held[tier] += length

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
@@ -33,14 +32,16 @@ from cachefs.validate import prepare_cache_dir
 log = logging.getLogger(__name__)
 
 
-def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this module cheaply)
+def build_core(config: Config, hooks=None):  # type: ignore[no-untyped-def]  # -> Core (lazy imports: the CLI imports this module cheaply)
+    """The daemon's stack from a checked Config: the source, the tiers, the core. The
+    FUSE layer is given `hooks` (cachefs.hooks.KernelHooks) to tell the core what INIT
+    decided."""
     from cachefs.core import Core, source_namespace
+    from cachefs.hints import attach
     from cachefs.prefetch import Prefetcher
-    from cachefs.source import LocalSource
+    from cachefs.source import open_source
     from cachefs.stats import Stats
-    from cachefs.tiers.disk import DiskTier
-    from cachefs.tiers.memory import MemoryTier
-    from cachefs.tiers.multilevel import MultiLevelCache
+    from cachefs.tiers.build import build_cache
 
     stats = Stats()
     stats.set_info(version=__version__, source=config.source, mountpoint=config.mountpoint,
@@ -48,60 +49,21 @@ def build_core(config: Config):  # -> Core (kept lazy: the CLI imports this modu
                    metadata_ttl=config.metadata_ttl, readahead=config.readahead,
                    source_timeout_s=config.source_timeout,
                    prefetch_workers=config.prefetch_workers, fetch_processes=config.fetch_processes)
-    source = LocalSource(config.source)
-    source.root_fd()  # the tree served is the one the path names now, for the mount's life
-    assert config.ram_size is not None and config.disk_size is not None
+    source = open_source(config.source)
     policies = parse_policy_spec(config.policy)
     stats.set_info(policy=policies, max_idle_s=config.max_idle, min_free=config.min_free)
-    max_idle = config.max_idle or None
-    ram = MemoryTier(config.ram_size, stats, policy=policies["ram"], max_idle=max_idle)
-    _drop_old_format(config.cache_dir)
-    disk = (DiskTier(os.path.join(config.cache_dir, STORE_DIR), config.disk_size, stats,
-                     policy=policies["disk"], max_idle=max_idle, min_free=config.min_free or 0)
-            if config.disk_size else None)
-    cache = MultiLevelCache(ram, disk, stats)
+    cache = build_cache(config, policies, stats)
     workers = config.prefetch_workers if config.prefetch_workers is not None else DEFAULT_PREFETCH_WORKERS
     prefetcher = Prefetcher(workers, stats) if workers > 0 else None
     core = Core(source, cache, stats, namespace=source_namespace(config.source),
                 block_size=config.block_size, metadata_ttl=config.metadata_ttl,
                 negative_ttl=config.negative_ttl, prefetcher=prefetcher, readahead=config.readahead,
-                source_timeout=config.source_timeout)
+                source_timeout=config.source_timeout,
+                check_acls=config.allow_other,  # other users: never more than the source's ACLs grant
+                hooks=hooks, hints=attach if prefetcher is not None else None)  # order hints
     if prefetcher is not None:
-        from cachefs.hints import attach
-
-        attach(core)  # order hints
         prefetcher.start()
-    core.check_acls = config.allow_other  # other users: never more than the source's ACLs grant
-    if config.shared_cache:
-        attach_shared(core, config)
     return core
-
-
-def attach_shared(core, config: Config) -> None:  # type: ignore[no-untyped-def]
-    """The cluster's memcached tier (cachefs/tiers/shared.py), between NVMe and the source."""
-    from cachefs.tiers.shared import SharedTier, parse_servers
-
-    assert config.shared_cache is not None
-    namespace = config.shared_namespace or os.path.basename(config.source.rstrip("/")) or "root"
-    tier = SharedTier(parse_servers(config.shared_cache), namespace, config.block_size, core.stats)
-    for problem in tier.check():
-        log.warning("%s", problem)
-    core.shared = tier
-    core.stats.set_info(shared_cache=config.shared_cache, shared_namespace=namespace)
-    log.info("shared tier: %s, namespace %r", config.shared_cache, namespace)
-
-
-STORE_DIR = "store"  # the NVMe tier under the cache dir; "blocks" held the diskcache format
-
-
-def _drop_old_format(cache_dir: str) -> None:
-    """Remove an NVMe tier of the older format (diskcache, until version 0.1): its blocks
-    cannot be passed through, and nothing reads them any more."""
-    old = os.path.join(cache_dir, "blocks")
-    if os.path.isfile(os.path.join(old, "cache.db")):
-        shutil.rmtree(old, ignore_errors=True)
-        log.warning("removed the NVMe tier of an older cachefs in %s (a format this version does not read); "
-                    "its files will be fetched again", old)
 
 
 def _paths_of(request: dict) -> list[str]:
@@ -139,8 +101,8 @@ def control_handlers(core) -> dict:  # type: ignore[no-untyped-def]
         job = warming.start(core, paths, (shard[0], shard[1]) if shard else None)
         try:
             follow(job.progress, lambda: job.done, send, interval)
-            if core.shared is not None:  # done means the other nodes can read it
-                follow(job.progress, lambda: core.shared.drain(0.0), send, interval)
+            if core.cache.shares:  # done means the other nodes can read it
+                follow(job.progress, lambda: core.cache.drain_shared(0.0), send, interval)
             result = job.progress()
         finally:
             warming.finish(core, job)  # a client that went away (Ctrl-C) stops its warm
@@ -217,7 +179,10 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     _limit_malloc_arenas()
     log.info("file descriptors: up to %d (the caches of open files take a share of it)", raise_descriptor_limit())
     prepare_cache_dir(config)
-    core = build_core(config)
+    from cachefs.hooks import KernelHooks
+
+    hooks = KernelHooks()  # what the file system learns at INIT, for the core
+    core = build_core(config, hooks)
     control = ControlServer(address_for(config.mountpoint), control_handlers(core), streams=control_streams(core))
     control.start()
     info = {"version": __version__, "source": config.source, "mountpoint": config.mountpoint,
@@ -276,16 +241,20 @@ def start_fetchers(core, config: Config) -> None:  # type: ignore[no-untyped-def
     if n <= 0 or not core.fills_to_disk or core.prefetcher is None:
         return
     from cachefs.fetcher import Fetchers
-    from cachefs.source import LocalSource
 
     channels = core.prefetcher.workers + 4
-    source = core.source
-    root_fd = source.root_fd() if isinstance(source, LocalSource) else -1
-    shared = core.shared
-    core.fetchers = Fetchers(source.root, core.cache.disk.data_dir, core.namespace, core.block_size, n,
-                             channels, root_fd, config.shared_cache if shared is not None else None,
-                             shared.namespace if shared is not None else "")
+    cache = core.cache
+    core.use_fetchers(Fetchers(config.source, cache.fill_dir, core.namespace, core.block_size, n, channels,
+                               _root_fd(core.source), config.shared_cache if cache.shares else None,
+                               cache.shared_namespace))
     log.info("fetch processes: %d (%d channels)", n, channels)
+
+
+def _root_fd(source) -> int:  # type: ignore[no-untyped-def]
+    """The source's descriptor of its root, which fetch processes inherit (so they serve
+    the tree the mount serves, whatever the path names later); -1 if it has none."""
+    root_fd = getattr(source, "root_fd", None)
+    return root_fd() if root_fd is not None else -1
 
 
 def _stop_on_signals(mountpoint: str, session) -> threading.Event:  # type: ignore[no-untyped-def]

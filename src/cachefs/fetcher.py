@@ -11,22 +11,21 @@ what was written; it keeps every decision (single flight, admission, the index, 
 stats), and the file becomes an entry only when the daemon adopts it.
 
 Protocol, one request at a time per channel (a socket pair; a length-prefixed marshal
-tuple each way):
+tuple each way): a `Fill` request gets a `Filled` reply, whose `kind` says what happened:
 
-    request   (path, limit, expect)       expect: (size, mtime_ns, ctime_ns) or None
-    reply     ("stored", attr, hash)       written to the entry's file (created, O_EXCL)
-              ("stored", None, hash, "shared")   the same, from the shared tier (attr: the
-                                                 daemon's, the file was not visited)
-              ("exists", attr)             that file already exists: someone else has it
-              ("large", attr)              larger than `limit`: nothing read
-              ("changed",)                 not the expected version, or changed while read
-              ("error", errno, message)    the source refused
-              ("unstored", attr, errno, message)   read, but the cache write failed
+    STORED     written to the entry's file (created, O_EXCL); `hash` its xxh3. `shared`:
+               its bytes came from the shared tier (`attr` None: the file was not visited)
+    EXISTS     that file already exists: someone else has it
+    LARGE      larger than the request's `limit`: nothing read
+    CHANGED    not the expected version, or changed while read
+    ERROR      the source refused (`errno`, `message`)
+    UNSTORED   read, but the cache write failed (`errno`, `message`)
 
-A batch, ("many", [request, ...]), gets ("many", [reply, ...], counts): with a shared tier
-(--shared-cache) the worker asks it for every expected file in one request per server,
-reads the rest from the source, stores those in the shared tier in one request per
-server, and `counts` are the shared.* counters it added, for the daemon's stats.
+A batch of Fills gets a `FilledBatch`: with a shared tier (--shared-cache) the worker asks
+it for every expected file in one request per server, reads the rest from the source,
+stores those in the shared tier in one request per server, and `counts` are the shared.*
+counters it added, for the daemon's stats. The entry files are written with the store's
+own layout and write loop (cachefs/tiers/layout.py).
 
 A worker runs one thread per channel; it exits when the daemon closes its end (or dies:
 PR_SET_PDEATHSIG).
@@ -49,15 +48,72 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple
 
-from cachefs.blocks import FileId, entry_id
+from cachefs.blocks import entry_id
 from cachefs.errors import SourceChanged
-from cachefs.source import LocalSource
+from cachefs.identity import Attr, FileId
+from cachefs.source import open_source
 from cachefs.stats import Stats
+from cachefs.tiers.layout import block_hash, create_exclusive, entry_file, write_all
 
 log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("<I")
+
+STORED, EXISTS, LARGE, CHANGED, ERROR, UNSTORED = "stored", "exists", "large", "changed", "error", "unstored"
+# Kinds the daemon makes itself: a fill done in its own threads (READ, with the bytes), or
+# found in its own shared tier (SHARED).
+READ, SHARED = "read", "shared"
+_MANY = "many"
+
+
+class Fill(NamedTuple):
+    """A request: fetch the small file `path` whole, if it is at most `limit` bytes and
+    (when `expect` is given) still that version."""
+
+    path: str
+    limit: int
+    expect: FileId | None = None
+
+    def wire(self) -> tuple[Any, ...]:
+        return self.path, self.limit, None if self.expect is None else tuple(self.expect[1:])
+
+    @classmethod
+    def from_wire(cls, t: tuple[Any, ...]) -> Fill:
+        path, limit, expect = t
+        return cls(path, limit, FileId(path, *expect) if expect is not None else None)
+
+
+class Filled(NamedTuple):
+    """A reply (see the module's protocol). `data`: the bytes, only for the daemon's own
+    READ and SHARED; never sent."""
+
+    kind: str
+    attr: Attr | None = None
+    hash: int = 0
+    errno: int = 0
+    message: str = ""
+    shared: bool = False
+    data: bytes | None = None
+
+    def wire(self) -> tuple[Any, ...]:
+        return (self.kind, None if self.attr is None else tuple(self.attr), self.hash, self.errno,
+                self.message, self.shared)
+
+    @classmethod
+    def from_wire(cls, t: tuple[Any, ...]) -> Filled:
+        kind, attr, h, code, message, shared = t
+        return cls(kind, None if attr is None else Attr(*attr), h, code, message, shared)
+
+    @classmethod
+    def failed(cls, kind: str, exc: OSError) -> Filled:
+        return cls(kind, errno=exc.errno or errno.EIO, message=exc.strerror or str(exc))
+
+
+class FilledBatch(NamedTuple):
+    replies: list[Filled]
+    counts: dict[str, int]  # the shared.* counters the worker added
 PR_SET_PDEATHSIG = 1
 BATCH_THREADS = 8  # source visits of one batch in parallel
 
@@ -96,7 +152,7 @@ def _recv(sock: socket.socket) -> object:
 class _Worker:
     def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int, root_fd: int = -1,
                  shared: str | None = None, shared_namespace: str | None = None):
-        self.source = LocalSource(root, root_fd)
+        self.source = open_source(root, root_fd)
         self.data_dir = data_dir
         self.namespace = namespace
         self.block_size = block_size
@@ -104,35 +160,35 @@ class _Worker:
         self._pool = ThreadPoolExecutor(BATCH_THREADS, thread_name_prefix="cachefs-fetch")
         self.shared = None
         if shared:
-            from cachefs.tiers.shared import SharedTier, parse_servers
+            from cachefs.tiers.build import shared_tier
 
-            self.shared = SharedTier(parse_servers(shared), shared_namespace or "", block_size, self.stats)
+            self.shared = shared_tier(shared, shared_namespace or "", block_size, self.stats)
             self.shared.check()
 
-    def fill(self, path: str, limit: int, expect: tuple[int, int, int] | None) -> tuple:  # type: ignore[type-arg]
-        return self._fill(path, limit, expect)[0]
+    def fill(self, request: Fill) -> Filled:
+        return self._fill(request)[0]
 
-    def _fill(self, path: str, limit: int, expect: tuple[int, int, int] | None) -> tuple:  # type: ignore[type-arg]
+    def _fill(self, request: Fill) -> tuple[Filled, bytes | None]:
         """(reply, the bytes read or None)."""
+        path = request.path
         try:
-            attr, data = self.source.read_whole(path, limit, FileId(path, *expect) if expect else None)
+            attr, data = self.source.read_whole(path, request.limit, request.expect)
         except SourceChanged:
-            return ("changed",), None
+            return Filled(CHANGED), None
         except OSError as exc:
-            return ("error", exc.errno or errno.EIO, exc.strerror or str(exc)), None
+            return Filled.failed(ERROR, exc), None
         if data is None:
-            return ("large", tuple(attr)), None
-        fid = FileId(path, attr.size, attr.mtime_ns, attr.ctime_ns)
-        return self._write(fid, data, tuple(attr)), data
+            return Filled(LARGE, attr), None
+        return self._write(FileId.of(path, attr), data, attr), data
 
-    def fill_many(self, requests: list[tuple]) -> tuple:  # type: ignore[type-arg]
+    def fill_many(self, requests: list[Fill]) -> FilledBatch:
         """A batch: from the shared tier what it has, the rest from the source (then
         shared); see the module's protocol."""
         before = self.stats.thread_counts()
-        replies: list[tuple | None] = [None] * len(requests)  # type: ignore[type-arg]
+        replies: list[Filled | None] = [None] * len(requests)
         if self.shared is not None:
-            wanted = [(i, FileId(path, *expect)) for i, (path, limit, expect) in enumerate(requests)
-                      if expect is not None and 0 < expect[0] <= limit]
+            wanted = [(i, r.expect) for i, r in enumerate(requests)
+                      if r.expect is not None and 0 < r.expect.size <= r.limit]
             found = self.shared.get_many([(fid, 0, fid.size) for _, fid in wanted])
             for (i, fid), data in zip(wanted, found, strict=True):
                 if data is not None:
@@ -140,55 +196,41 @@ class _Worker:
         to_share = []
         todo = [i for i in range(len(requests)) if replies[i] is None]
         # the rest from the source, in parallel: a batch waits for one source visit, not one each
-        results = self._pool.map(lambda i: self._fill(*requests[i]), todo) if len(todo) > 1 else \
-            [self._fill(*requests[i]) for i in todo]
+        results = self._pool.map(lambda i: self._fill(requests[i]), todo) if len(todo) > 1 else \
+            [self._fill(requests[i]) for i in todo]
         for i, (reply, data) in zip(todo, results, strict=True):
             replies[i] = reply
-            if self.shared is not None and data is not None and reply[0] in ("stored", "exists"):
-                a = reply[1]
-                to_share.append((FileId(requests[i][0], a[4], a[6], a[7]), 0, data))
+            if self.shared is not None and data is not None and reply.kind in (STORED, EXISTS):
+                assert reply.attr is not None
+                to_share.append((FileId.of(requests[i].path, reply.attr), 0, data))
         if to_share:
             assert self.shared is not None
             self.shared.store_many(to_share)
         after = self.stats.thread_counts()
         counts = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-        return ("many", replies, counts)
+        return FilledBatch([r for r in replies if r is not None], counts)
 
-    def _write(self, fid: FileId, data: bytes, attr: tuple | None) -> tuple:  # type: ignore[type-arg]
-        """Write a file version's bytes to its entry's file; the reply for it."""
-        name = entry_id(self.namespace, fid, self.block_size).hex()
-        dest = f"{self.data_dir}/{name[:2]}/{name}"
+    def _write(self, fid: FileId, data: bytes, attr: Attr | None) -> Filled:
+        """Write a file version's bytes to its entry's file; the reply for it (`attr` None:
+        the bytes came from the shared tier)."""
+        dest = entry_file(self.data_dir, entry_id(self.namespace, fid, self.block_size).hex())
         try:
-            fd = self._create(dest)
+            fd = create_exclusive(dest)
         except FileExistsError:
-            return ("exists", attr)
+            return Filled(EXISTS, attr, shared=attr is None)
         except OSError as exc:
-            return ("unstored", attr, exc.errno or errno.EIO, exc.strerror or str(exc))
+            return Filled.failed(UNSTORED, exc)._replace(attr=attr, shared=attr is None)
         try:
-            view, offset = memoryview(data), 0
-            while view:
-                n = os.pwrite(fd, view, offset)
-                view, offset = view[n:], offset + n
+            write_all(fd, data)
         except OSError as exc:
             os.close(fd)
             try:
                 os.unlink(dest)
             except OSError:
                 pass
-            return ("unstored", attr, exc.errno or errno.EIO, exc.strerror or str(exc))
+            return Filled.failed(UNSTORED, exc)._replace(attr=attr, shared=attr is None)
         os.close(fd)
-        from cachefs.tiers.store import block_hash
-
-        return ("stored", attr, block_hash(data)) if attr is not None else ("stored", None, block_hash(data), "shared")
-
-    @staticmethod
-    def _create(dest: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-        try:
-            return os.open(dest, flags, 0o600)
-        except FileNotFoundError:
-            os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
-            return os.open(dest, flags, 0o600)
+        return Filled(STORED, attr, block_hash(data), shared=attr is None)
 
     def serve(self, sock: socket.socket) -> None:
         while True:
@@ -196,15 +238,16 @@ class _Worker:
                 request = _recv(sock)
             except (EOFError, OSError):
                 return
+            reply: tuple[Any, ...]
             try:
                 assert isinstance(request, tuple)
-                if request[0] == "many":
-                    reply = self.fill_many(request[1])
+                if request[0] == _MANY:
+                    batch = self.fill_many([Fill.from_wire(r) for r in request[1]])
+                    reply = (_MANY, [r.wire() for r in batch.replies], batch.counts)
                 else:
-                    assert len(request) == 3
-                    reply = self.fill(request[0], request[1], request[2])
+                    reply = self.fill(Fill.from_wire(request)).wire()
             except Exception as exc:  # never leave the daemon waiting
-                reply = ("error", errno.EIO, f"fetch process: {exc!r}")
+                reply = Filled(ERROR, errno=errno.EIO, message=f"fetch process: {exc!r}").wire()
             try:
                 _send(sock, reply)
             except OSError:
@@ -336,17 +379,19 @@ class Fetchers:
         """Channels that serve, or will once a process that ended has been started again."""
         return len(self._all) + self._restarting * self._per
 
-    def fill(self, path: str, limit: int, expect: FileId | None, timeout: float | None) -> tuple:  # type: ignore[type-arg]
+    def fill(self, path: str, limit: int, expect: FileId | None, timeout: float | None) -> Filled:
         """One request (see the module's protocol). Raises OSError(ETIMEDOUT) after
         `timeout` (the channel is set aside until its late reply arrives), and
         FetchUnavailable when no process can answer."""
-        packed = None if expect is None else (expect.size, expect.mtime_ns, expect.ctime_ns)
-        return self._call((path, limit, packed), timeout, path)
+        return Filled.from_wire(self._call(Fill(path, limit, expect).wire(), timeout, path))
 
-    def fill_many(self, requests: list[tuple[str, int, FileId | None]], timeout: float | None) -> tuple:  # type: ignore[type-arg]
-        """A batch of requests on one channel: ("many", replies, shared counts)."""
-        packed = [(path, limit, None if e is None else (e.size, e.mtime_ns, e.ctime_ns)) for path, limit, e in requests]
-        return self._call(("many", packed), timeout, requests[0][0] if requests else "")
+    def fill_many(self, requests: list[Fill], timeout: float | None) -> FilledBatch:
+        """A batch of requests on one channel."""
+        reply = self._call((_MANY, [r.wire() for r in requests]), timeout, requests[0].path if requests else "")
+        if reply[0] != _MANY:  # the worker failed as a whole: every file failed
+            failed = Filled.from_wire(reply)
+            return FilledBatch([failed] * len(requests), {})
+        return FilledBatch([Filled.from_wire(r) for r in reply[1]], reply[2])
 
     def _call(self, message: tuple, timeout: float | None, subject: str) -> tuple:  # type: ignore[type-arg]
         while True:  # a free channel; none at all while a process that ended is started again

@@ -30,11 +30,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from cachefs.blocks import FileId
 from cachefs.config import BACKING_CACHE, Config
 from cachefs.core import Core
 from cachefs.directio import OUT_OF_DESCRIPTORS, descriptor_limit, trim_descriptors
-from cachefs.errors import to_errno
+from cachefs.errors import QUIET, to_errno
 from cachefs.fuse import protocol as p
 from cachefs.fuse.session import (
     Connection,
@@ -47,9 +46,9 @@ from cachefs.fuse.session import (
     Session,
     StatFs,
 )
-from cachefs.source import Attr
+from cachefs.identity import Attr, FileId
 from cachefs.stats import FUSE_OPS
-from cachefs.tiers.store import FileStore
+from cachefs.tiers.multilevel import Backing
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,6 @@ XATTR_INFO = CONTROL_PREFIX + "info"
 # extended attributes only root may read (the daemon may run as root for another user)
 _PRIVILEGED_XATTRS = ("trusted.",)
 
-_QUIET_ERRNOS = {errno.ENOENT, errno.ENODATA, errno.EROFS, errno.ENOSYS, errno.ENOTTY}
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -153,13 +151,13 @@ class _NodeOpen:
     """How the open files of one node are served: through one backing file (passthrough),
     or by the daemon (backing_id 0)."""
 
-    __slots__ = ("backing_id", "eid", "fid", "refs", "tier")
+    __slots__ = ("backing", "backing_id", "eid", "fid", "refs")
 
     def __init__(self, fid: FileId):
         self.fid = fid
         self.refs = 1
         self.backing_id = 0
-        self.tier: FileStore | None = None
+        self.backing: Backing | None = None  # the cached file, held while the node is open
         self.eid = b""
 
 
@@ -174,33 +172,34 @@ class _Backings:
     def __init__(self, session: Session, limit: int):
         self._session = session
         self._limit = limit
-        self._ids: dict[bytes, list] = {}  # eid -> [backing id, tier, opens, doomed]
+        self._ids: dict[bytes, list] = {}  # eid -> [backing id, the held Backing, opens, doomed]
         self._idle: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, eid: bytes, tier: FileStore, path: str) -> int:
-        """A backing id for the entry's file, counted as one more open. OSError if the
+    def get(self, backing: Backing) -> int:
+        """A backing id for the cached file, counted as one more open. OSError if the
         kernel refuses it."""
+        eid = backing.eid
         with self._lock:
             rec = self._ids.get(eid)
             if rec is not None and not rec[3]:
                 rec[2] += 1
                 self._idle.pop(eid, None)
                 return int(rec[0])
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(backing.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             backing_id = self._session.backing_open(fd)
         finally:
             os.close(fd)
-        tier.acquire(eid)
+        backing.hold()
         with self._lock:
             rec = self._ids.get(eid)
             if rec is None or rec[3]:
-                self._ids[eid] = [backing_id, tier, 1, False]
+                self._ids[eid] = [backing_id, backing, 1, False]
                 return backing_id
             rec[2] += 1  # registered by another open meanwhile: use that one
             self._idle.pop(eid, None)
-        self._close(backing_id, tier, eid)
+        self._close(backing_id, backing)
         return int(rec[0])
 
     def put(self, eid: bytes) -> None:
@@ -221,8 +220,8 @@ class _Backings:
                 while len(self._idle) > self._limit:
                     old, _ = self._idle.popitem(last=False)
                     closing.append((old, self._ids.pop(old)))
-        for key, r in closing:
-            self._close(r[0], r[1], key)
+        for _, r in closing:
+            self._close(r[0], r[1])
 
     def dropped(self, eid: bytes) -> None:
         """The tier dropped the entry: close its id now, or at its last close."""
@@ -235,21 +234,21 @@ class _Backings:
                 return
             del self._ids[eid]
             self._idle.pop(eid, None)
-        self._close(rec[0], rec[1], eid)
+        self._close(rec[0], rec[1])
 
-    def _close(self, backing_id: int, tier: FileStore, eid: bytes) -> None:
+    def _close(self, backing_id: int, backing: Backing) -> None:
         try:
             self._session.backing_close(backing_id)
         except OSError as exc:
             log.debug("closing backing id %d failed: %s", backing_id, exc)
-        tier.release(eid)
+        backing.release()
 
     def close_all(self) -> None:
         with self._lock:
             recs, self._ids = self._ids, {}
             self._idle.clear()
-        for eid, rec in recs.items():
-            self._close(rec[0], rec[1], eid)
+        for rec in recs.values():
+            self._close(rec[0], rec[1])
 
     def __len__(self) -> int:
         return len(self._ids)
@@ -358,7 +357,7 @@ def _fuse_op(fn: F) -> F:
                 return fn(self, req, nodeid, *args)
         except FuseError as exc:
             code = exc.errno
-            if code in _QUIET_ERRNOS:
+            if code in QUIET:
                 raise
             if code == errno.EAGAIN:  # refused while too many wait on the source: the session warned
                 self.core.stats.add_many({"fuse.errors": 1, "fuse.busy_refusals": 1})
@@ -368,7 +367,7 @@ def _fuse_op(fn: F) -> F:
             raise
         except BaseException as exc:
             code = to_errno(exc)
-            if code not in _QUIET_ERRNOS:
+            if code not in QUIET:
                 self.core.stats.incr("fuse.errors")
                 self._log_error(name, self.nodes._paths.get(nodeid), exc, code)
             raise FuseError(code) from None
@@ -407,7 +406,7 @@ class CachefsFS(Operations):
         self._ttl = config.metadata_ttl
         self._valid = p.split_timeout(config.metadata_ttl)
         self._negative_ttl = config.negative_ttl
-        core.on_source_changed = self._source_changed
+        core.hooks.connect(on_source_changed=self._source_changed)
 
     def _out_of_descriptors(self, exc: OSError) -> None:
         given = trim_descriptors()
@@ -433,7 +432,7 @@ class CachefsFS(Operations):
 
     def init(self, conn: Connection, session: Session) -> None:
         self.session = session
-        self.core.blocking = session.blocking
+        self.core.hooks.connect(blocking=session.blocking)
         if not conn.no_open:
             self.zero_message_open = False
         self.core.stats.set_info(zero_message_open=self.zero_message_open)
@@ -447,11 +446,9 @@ class CachefsFS(Operations):
         if usable or (mode == "on" and self.want_passthrough):
             self.passthrough, self.zero_message_open = True, False
         if usable and self.session is not None:
-            self.core.passthrough = True
+            self.core.hooks.connect(passthrough=True)
             self._backings = _Backings(self.session, BACKING_CACHE)
-            for tier in (self.core.cache.ram, self.core.cache.disk):
-                if tier is not None:
-                    tier.on_drop.append(self._backings.dropped)
+            self.core.cache.on_drop(self._backings.dropped)
             self.core.stats.gauge("opens.backing_files", lambda: len(self._backings or ()))
         if mode == "on" and self.want_passthrough and not usable:
             why = ("the kernel does not offer it" if not conn.passthrough
@@ -467,7 +464,7 @@ class CachefsFS(Operations):
     def _probe_backing(self) -> bool:
         """Whether the kernel takes a backing file from us (EPERM without CAP_SYS_ADMIN)."""
         assert self.session is not None
-        probe = os.path.join(self.core.cache.ram.directory, ".backing-probe")
+        probe = os.path.join(self.core.cache.scratch_dir, ".backing-probe")
         try:
             fd = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         except OSError:
@@ -488,8 +485,8 @@ class CachefsFS(Operations):
         with self._opens_lock:
             opens, self._opens = self._opens, {}
         for state in opens.values():
-            if state.tier is not None:
-                state.tier.release(state.eid)
+            if state.backing is not None:
+                state.backing.release()
         if self._backings is not None:
             self._backings.close_all()
 
@@ -645,7 +642,7 @@ class CachefsFS(Operations):
                 state.refs += 1  # only once nothing can fail: a failed open gets no release
                 self._handles[fh] = state.fid
                 if again is not None:
-                    again.tier.release(state.eid)
+                    again.release()
                 self.core.stats.incr("opens.passthrough")
                 return Opened(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, state.backing_id)
             state.refs += 1
@@ -660,10 +657,10 @@ class CachefsFS(Operations):
             eid = self.core.entry_id(fid)
             try:
                 assert self._backings is not None
-                state.backing_id = self._backings.get(eid, backing.tier, backing.path)
-                state.tier, state.eid = backing.tier, eid
+                state.backing_id = self._backings.get(backing)
+                state.backing, state.eid = backing, eid
             except OSError as exc:
-                backing.tier.release(eid)
+                backing.release()
                 self._backing_refused(exc)
         with self._opens_lock:
             self._opens[nodeid] = state
@@ -709,8 +706,8 @@ class CachefsFS(Operations):
                 del self._opens[nodeid]
         if state.backing_id and self._backings is not None:
             self._backings.put(state.eid)
-        if state.tier is not None:
-            state.tier.release(state.eid)
+        if state.backing is not None:
+            state.backing.release()
 
     # -- extended attributes and the control interface -------------------------------------
 

@@ -37,9 +37,9 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
-from cachefs.blocks import FileId, block_extent, block_key
+from cachefs.blocks import block_extent, block_key
 from cachefs.hintclient import DEFAULT_LOOKAHEAD
-from cachefs.tiers.store import BlockKey, allocated
+from cachefs.identity import BlockKey, FileId
 
 if TYPE_CHECKING:
     from cachefs.core import Core
@@ -88,8 +88,8 @@ class HintBoard:
 
     def __init__(self, core: Core, share: float = HINT_RAM_SHARE):
         self._core = core
-        self._ram = core.cache.ram
-        self.limit = int(self._ram.capacity * share)
+        self._cache = core.cache
+        self.limit = int(self._cache.ram_capacity * share)
         self._lock = threading.Lock()
         self._sessions: dict[int, HintSession] = {}
         self._holders: dict[BlockKey, list[HintSession]] = {}  # key -> sessions holding a pin
@@ -164,7 +164,7 @@ class HintBoard:
             holders.remove(session)
             if not holders:
                 del self._holders[key]
-        self._ram.unpin(key)
+        self._cache.unpin(key)
         self.holding = bool(self._holders)
 
     def _wake(self, one: bool = False) -> None:
@@ -250,7 +250,7 @@ class HintBoard:
         core = self._core
         key = block_key(core.namespace, fid, index, core.block_size)
         _, length = block_extent(index, fid.size, core.block_size)
-        size = allocated(length)  # what it takes in RAM (whole pages), as the tier counts it
+        size = self._cache.room_of(length)  # what it takes in RAM (whole pages), as the tier counts it
         with self._lock:
             if session.closed or key in session.holds:
                 return True
@@ -281,7 +281,7 @@ class HintBoard:
             if session.closed or key in session.holds or read_meanwhile:
                 # the session ended, or pinned it twice, or the job already read it (it
                 # waited for this very fetch): nothing to hold
-                self._ram.unpin(key)
+                self._cache.unpin(key)
                 if read_meanwhile:
                     core.stats.incr("hint.used")
                 return True
@@ -293,12 +293,12 @@ class HintBoard:
         return True
 
 def attach(core: Core) -> HintBoard:
-    """Order hints for this core: a board, fed to its prefetch pool ahead of every other
-    guess. The core calls the board back on reads (Core.hints) and imports nothing of it."""
+    """Order hints for this core (given to it as Core(..., hints=attach)): a board, fed to
+    its prefetch pool ahead of every other guess. The core calls the board back on reads
+    (Core.hints) and imports nothing of it."""
     assert core.prefetcher is not None, "order hints need the prefetch pool"
     from cachefs.prefetch import HINT
 
     board = HintBoard(core)
-    core.hints = board
     core.prefetcher.add_feeder(HINT, board)
     return board

@@ -78,3 +78,20 @@ class FileId(NamedTuple):
         """Whether `attr` describes this version of the file."""
         return (attr.size, attr.mtime_ns, attr.ctime_ns, attr.version) == (
             self.size, self.mtime_ns, self.ctime_ns, self.version)
+
+
+BlockKey = tuple[bytes, int]  # a cached block: (entry id of the file version, block index)
+
+
+class EntryInfo(NamedTuple):
+    """What a tier records with a cached file version: its path and attributes (kept so
+    that a remounted cache answers lookups without asking the source), and the block size
+    it was cut in."""
+
+    path: str
+    attr: Attr
+    block_size: int
+
+    @property
+    def fid(self) -> FileId:
+        return FileId.of(self.path, self.attr)

@@ -15,9 +15,9 @@ import zlib
 from collections import Counter
 from collections.abc import Callable
 
-from cachefs.blocks import FileId
 from cachefs.errors import SourceChanged
-from cachefs.source import Attr, DirEntry, check_relpath
+from cachefs.identity import Attr, DirEntry, FileId
+from cachefs.source import check_relpath
 
 
 class MemorySource:

@@ -461,3 +461,13 @@ class LocalSource:
 
     def listxattr(self, path: str) -> list[str]:
         return self._via_parent(path, lambda p: os.listxattr(p, follow_symlinks=False))
+
+
+def open_source(spec: str, root_fd: int = -1) -> Source:
+    """The source a mount's SOURCE argument names: today a directory (any POSIX filesystem:
+    NFS, Lustre, sshfs, a local disk), opened now, so that the tree served is the one the
+    path names at mount time. A store with a scheme of its own (s3://, https://) is one
+    module implementing Source, and one line here."""
+    source = LocalSource(spec, root_fd)
+    source.root_fd()
+    return source

@@ -22,9 +22,10 @@ import shutil
 import tempfile
 import weakref
 
+from cachefs.identity import BlockKey, EntryInfo
 from cachefs.policy import DEFAULT_POLICY, Policy
 from cachefs.stats import Stats
-from cachefs.tiers.store import BlockKey, EntryInfo, FileStore, allocated
+from cachefs.tiers.store import FileStore, allocated
 
 log = logging.getLogger(__name__)
 

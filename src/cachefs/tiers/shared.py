@@ -34,12 +34,12 @@ from typing import Any, Protocol
 
 import xxhash
 
-from cachefs.identity import FileId
+from cachefs.blocks import block_extent
+from cachefs.identity import BlockKey, EntryInfo, FileId
 from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
 
-SCHEME = "memcached://"
 KEY_PREFIX = b"cfs1:"
 _MAGIC = b"CFS1"
 # magic, identity (16), length, parts, xxh3-64 of the data
@@ -61,23 +61,6 @@ class Client(Protocol):
     def stats(self, *args: str) -> dict: ...
 
     def close(self) -> None: ...
-
-
-def parse_servers(spec: str) -> list[tuple[str, int]]:
-    """`memcached://HOST:PORT[,HOST:PORT...]` -> [(host, port), ...]; ValueError with the reason.
-    `+` separates servers too: mount -o and fstab split options on commas."""
-    if not spec.startswith(SCHEME):
-        raise ValueError(f"expected {SCHEME}HOST:PORT[,HOST:PORT...]")
-    servers = []
-    for part in spec[len(SCHEME):].replace("+", ",").split(","):
-        host, sep, port = part.strip().rpartition(":")
-        host = host.strip("[]")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"{part.strip()!r} is not HOST:PORT")
-        servers.append((host, int(port)))
-    if len(set(servers)) != len(servers):
-        raise ValueError("a server is named twice")
-    return servers
 
 
 def block_identity(namespace: str, block_size: int, fid: FileId, index: int) -> bytes:
@@ -114,6 +97,10 @@ class _Server:
 
 
 class SharedTier:
+    """A tier on memcached servers, shared by the nodes of a cluster (see the module)."""
+
+    name = "shared"
+
     def __init__(self, servers: list[tuple[str, int]], namespace: str, block_size: int, stats: Stats,
                  timeout: float = DEFAULT_TIMEOUT, down_for: float = DEFAULT_DOWN_FOR,
                  connect: Callable[[tuple[str, int], float], Client] = pymemcache_client,
@@ -183,7 +170,16 @@ class SharedTier:
 
     # -- get -------------------------------------------------------------------------------
 
-    def get(self, fid: FileId, index: int, length: int) -> bytes | None:
+    def get(self, key: BlockKey, lo: int = 0, hi: int | None = None, info: EntryInfo | None = None) -> bytes | None:
+        """The tier protocol's get: block `key` of the file version `info` describes (the
+        shared tier names blocks by path and version, alike on every node, not by the
+        node's entry id), bytes [lo:hi]; None for a miss."""
+        assert info is not None
+        fid, index = info.fid, key[1]
+        data = self.get_block(fid, index, block_extent(index, fid.size, self.block_size)[1])
+        return data if data is None or (lo, hi) == (0, None) else data[lo:hi]
+
+    def get_block(self, fid: FileId, index: int, length: int) -> bytes | None:
         """The block, verified, or None (a miss: not there, damaged, or the server down)."""
         return self.get_many([(fid, index, length)])[0]
 
@@ -271,8 +267,15 @@ class SharedTier:
 
     # -- put -------------------------------------------------------------------------------
 
-    def put(self, fid: FileId, index: int, data: bytes | Callable[[], bytes | None], size: int,
+    def put(self, key: BlockKey, data: bytes | Callable[[], bytes | None], info: EntryInfo, evict: bool = True,
             wait: float = 0.0) -> bool:
+        """The tier protocol's put: queue block `key` of the file version `info` describes
+        (see put_block; a shared tier evicts as memcached does, whatever `evict`)."""
+        fid, index = info.fid, key[1]
+        return self.put_block(fid, index, data, block_extent(index, fid.size, self.block_size)[1], wait)
+
+    def put_block(self, fid: FileId, index: int, data: bytes | Callable[[], bytes | None], size: int,
+                  wait: float = 0.0) -> bool:
         """Queue a block for the shared tier (or a callable that reads it when its turn
         comes). If the queue is full, wait up to `wait` seconds for room (read-ahead and
         warming may: they are background work), then give up: False, counted. The job's

@@ -23,21 +23,17 @@ import os
 import threading
 import time
 from collections.abc import Callable, Hashable
-from typing import NamedTuple
-
-import xxhash
 
 from cachefs.directio import DescriptorCache, pread, pread_direct
-from cachefs.identity import Attr
+from cachefs.identity import Attr, BlockKey, EntryInfo
 from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
 from cachefs.stats import Stats
+from cachefs.tiers.layout import block_hash, entry_file, write_all
 
 log = logging.getLogger(__name__)
 
-BlockKey = tuple[bytes, int]  # (entry id, block index)
 
 FD_CACHE = 256          # open descriptors kept for reading entry files
-SUBDIR_CHARS = 2        # data/<first 2 hex digits of the entry id>/<entry id>
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 
@@ -54,18 +50,6 @@ def punch_hole(fd: int, offset: int, length: int) -> None:
 def allocated(size: int) -> int:
     """Bytes `size` bytes of a file take on a filesystem with 4 KiB blocks."""
     return -(-size // 4096) * 4096
-
-
-def block_hash(data: bytes | memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(data)
-
-
-class EntryInfo(NamedTuple):
-    """What a tier needs to create an entry: the file version it holds."""
-
-    path: str
-    attr: Attr
-    block_size: int
 
 
 class Entry:
@@ -136,7 +120,7 @@ class FileStore:
         return self.policy.used
 
     def file_of(self, name: str) -> str:
-        return f"{self._data}/{name[:SUBDIR_CHARS]}/{name}"
+        return entry_file(self._data, name)
 
     def _probe_direct(self) -> bool:
         probe = os.path.join(self._dir, ".direct-probe")
@@ -190,7 +174,7 @@ class FileStore:
         e = self._entries.get(eid)
         return None if e is None else EntryInfo(e.path, e.attr, e.block_size)
 
-    def get(self, key: BlockKey, lo: int = 0, hi: int | None = None) -> bytes | None:
+    def get(self, key: BlockKey, lo: int = 0, hi: int | None = None, info: EntryInfo | None = None) -> bytes | None:
         """The block's bytes [lo:hi], counting an access; None (a miss) if it is not held,
         cannot be read, or fails its check. Only the range is read (a 4 KiB page fault
         does not copy a 1 MiB block), unless the block is still to be checked."""
@@ -326,11 +310,7 @@ class FileStore:
             try:
                 if new and len(e.hashes) > 1:
                     os.ftruncate(fd, e.size)  # sparse: blocks arrive at their offsets
-                offset = index * e.block_size
-                view = memoryview(data)
-                while view:
-                    n = os.pwrite(fd, view, offset)
-                    view, offset = view[n:], offset + n
+                write_all(fd, data, index * e.block_size)
                 if new and len(e.hashes) == 1:
                     os.ftruncate(fd, len(data))  # a leftover file of a crashed run was longer
             finally:
@@ -509,37 +489,29 @@ class FileStore:
 
     # -- whole entries, for passthrough -------------------------------------------------
 
-    def backing_file(self, eid: bytes) -> str | None:
+    def backing_file(self, eid: bytes, acquire: bool = False) -> str | None:
         """The path of the entry's file if every block is present (and checked since the
-        start): what the kernel may read directly. None otherwise."""
-        with self._lock:
-            e = self._entries.get(eid)
-            if e is None or not e.complete or not self._usable():
-                return None
-            unverified = sorted(e.unverified) if e.unverified else []
-        for index in unverified:  # once per entry after a start: read and compare each block
-            if self._read((eid, index), buffered=True) is None:
-                return None
-        return self.file_of(e.name)
-
-    def needs_check(self, eid: bytes) -> bool:
-        e = self._entries.get(eid)
-        return e is not None and bool(e.unverified)
-
-    def acquire_backing(self, eid: bytes) -> str | None:
-        """backing_file() and acquire() in one: the path of the entry's file, held for the
-        kernel until release(); None if it is not complete (or fails its check)."""
+        start): what the kernel may read directly. None otherwise. With `acquire`, held
+        for the kernel until release(), in the same step."""
         with self._lock:
             e = self._entries.get(eid)
             if e is None or not e.complete or not self._usable():
                 return None
             if not e.unverified:
-                return self._acquired(eid, e)
-        if self.backing_file(eid) is None:
-            return None
+                return self._acquired(eid, e) if acquire else self.file_of(e.name)
+            unverified = sorted(e.unverified)
+        for index in unverified:  # once per entry after a start: read and compare each block
+            if self._read((eid, index), buffered=True) is None:
+                return None
+        if not acquire:
+            return self.file_of(e.name)
         with self._lock:
             e = self._entries.get(eid)
             return None if e is None or not e.complete else self._acquired(eid, e)
+
+    def needs_check(self, eid: bytes) -> bool:
+        e = self._entries.get(eid)
+        return e is not None and bool(e.unverified)
 
     def _acquired(self, eid: bytes, e: Entry) -> str:
         e.users += 1

@@ -1,0 +1,121 @@
+"""Directory read-ahead: the siblings of files the job reads, fetched in the background in
+sorted order, one directory after another (the smallest path first, which is the order a
+copied dataset lies on disk).
+"""
+
+from __future__ import annotations
+
+import functools
+import stat as stat_mod
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+from cachefs.config import DIR_BATCH
+from cachefs.fills import SmallFills
+from cachefs.identity import DirEntry
+from cachefs.prefetch import Prefetcher
+from cachefs.readahead import DirectoryCursor
+from cachefs.stats import Stats
+from cachefs.tiers.multilevel import MultiLevelCache
+
+
+class DirReadahead:
+    """Read-ahead across files: the siblings of files the job reads, fetched in the
+    background in sorted order, one directory after another (the smallest path first,
+    which is the order a copied dataset lies on disk).
+
+    A prefetch feeder: the pool asks it for one task at a time. A directory is listed in
+    the worker that first needs it, never in the reader's FUSE thread.
+    """
+
+    def __init__(self, readdir: Callable[[str], list[DirEntry]], fills: SmallFills,
+                 prefetch_file: Callable[[str, int | None], tuple[str, int]], fills_to_disk: Callable[[], bool],
+                 cache: MultiLevelCache, stats: Stats, prefetcher: Prefetcher, block_size: int,
+                 max_file_blocks: int, max_dirs: int = 100_000):
+        self._readdir = readdir
+        self._fills = fills
+        self._prefetch_file = prefetch_file
+        self._fills_to_disk = fills_to_disk
+        self._cache = cache
+        self._stats = stats
+        self._block_size = block_size
+        self._prefetcher = prefetcher
+        self._max_file_blocks = max_file_blocks
+        self._lock = threading.Lock()
+        self._pending: dict[str, set[str]] = {}       # dir -> names read before it was listed
+        self._active: dict[str, DirectoryCursor] = {}
+        self._seen: OrderedDict[str, None] = OrderedDict()  # dirs taken on (bounded)
+        self._max_dirs = max_dirs
+        self.full = False  # every tier is full: stop guessing until there is room again
+
+    def touch(self, path: str) -> None:
+        directory, _, name = path.rpartition("/")
+        directory = directory or "/"
+        with self._lock:
+            cursor = self._active.get(directory)
+            if cursor is not None:
+                cursor.skip(name)
+                return
+            if directory in self._pending:
+                self._pending[directory].add(name)
+                return
+            if directory in self._seen:
+                return
+            self._seen[directory] = None
+            if len(self._seen) > self._max_dirs:
+                self._seen.popitem(last=False)
+            self._pending[directory] = {name}
+        self._stats.incr("prefetch.dirs")
+        self._prefetcher.wake()
+
+    def __call__(self) -> tuple[object, Callable[[], object]] | None:
+        if self.full:
+            if not self._cache.has_room(self._block_size):
+                return None
+            self.full = False
+        while True:
+            with self._lock:
+                if self._active:
+                    directory = min(self._active)
+                    cursor = self._active[directory]
+                    name = cursor.next()
+                    if name is None:
+                        del self._active[directory]
+                        continue
+                    path = directory.rstrip("/") + "/" + name
+                    if not (self._fills_to_disk() and self._fills.batches_shared):
+                        return path, functools.partial(self._fetch, path)
+                    # With a shared tier: a batch of siblings for one fetch process request
+                    # (SmallFills.fill_many), one shared-tier round trip for all of them
+                    # (not without one: see config.DIR_BATCH).
+                    paths = [path]
+                    while len(paths) < DIR_BATCH and (name := cursor.next()) is not None:
+                        paths.append(directory.rstrip("/") + "/" + name)
+                    return path, functools.partial(self._fetch_batch, paths)
+                if not self._pending:
+                    return None
+                directory = min(self._pending)
+                read = self._pending.pop(directory)
+            try:
+                entries = self._readdir(directory)
+            except OSError:
+                continue
+            cursor = DirectoryCursor(directory, (e.name for e in entries if stat_mod.S_ISREG(e.type_mode)))
+            for name in read:
+                cursor.skip(name)
+            with self._lock:
+                self._active[directory] = cursor
+
+    def _fetch_batch(self, paths: list[str]) -> None:
+        for path, small in zip(paths, self._fills.fill_many(paths), strict=True):
+            outcome, _ = small if small is not None else self._prefetch_file(path, self._max_file_blocks)
+            if outcome == "no_room":
+                self.full = True
+                return
+
+    def _fetch(self, path: str) -> None:
+        small = self._fills.fill(path) if self._fills_to_disk() else None
+        outcome, _ = small if small is not None else self._prefetch_file(path, self._max_file_blocks)
+        if outcome == "no_room":
+            self.full = True

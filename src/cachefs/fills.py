@@ -1,0 +1,273 @@
+"""Small-file fills: passthrough mode's read-ahead of files of one block (most of a dataset
+of images), one visit to the source each (open, fstat, read, close) instead of a stat and
+then a read, straight into the NVMe tier, by a fetch process where there are some
+(cachefs/fetcher.py), in the daemon's own threads where there are none.
+
+A fetch process writes the file before the daemon admits it: its room in the budget is
+held meanwhile (and handed to the admission), so the budget holds with fetches in flight.
+The daemon keeps every decision: single flight, admission, the index, the stats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future
+from contextlib import contextmanager
+from typing import NamedTuple
+
+from cachefs.blockpath import Fetching, share_wait
+from cachefs.blocks import block_key
+from cachefs.errors import SourceChanged
+from cachefs.fetcher import (
+    CHANGED,
+    ERROR,
+    EXISTS,
+    LARGE,
+    READ,
+    SHARED,
+    STORED,
+    UNSTORED,
+    Fetchers,
+    FetchUnavailable,
+    Fill,
+    Filled,
+)
+from cachefs.identity import Attr, BlockKey, EntryInfo, FileId
+
+Outcome = tuple[str, int] | None  # (what happened, bytes fetched); None: not a one-block file
+
+
+class Claim(NamedTuple):
+    """A file of one block this thread fills (it owns the block's flight)."""
+
+    fid: FileId
+    key: BlockKey
+    pending: Future[object]
+
+
+class SmallFills:
+    def __init__(self, parts: Fetching):
+        (self._source, self._meta, self._guard, self._flights, self._cache, self._stats, self._guesses,
+         self._on_changed, self.namespace, self.block_size) = parts
+        self.fetchers: Fetchers | None = None  # fetch processes, once started (use_fetchers)
+
+    def use_fetchers(self, fetchers: Fetchers) -> None:
+        """Fill through these fetch processes from now on (they start after INIT, once
+        passthrough is known: see cachefs.daemon.start_fetchers)."""
+        self.fetchers = fetchers
+
+    @property
+    def batches_shared(self) -> bool:
+        """Whether fetch processes ask the shared tier themselves (directory read-ahead then
+        sends batches: one shared-tier round trip for many files)."""
+        return self.fetchers is not None and self.fetchers.shared
+
+    # -- what to fill ------------------------------------------------------------------------
+
+    def _claim(self, path: str, hit: Attr, reserve: bool) -> Claim | Outcome:
+        """The fill of a file of one block whose attributes are known: the file's identity,
+        its key and the claim on it (owned by the caller), or the outcome if there is
+        nothing to fetch. With `reserve`, its room on NVMe is held too (see fill_many)."""
+        if not hit.is_file or not 0 < hit.size <= self.block_size:
+            return None
+        expect = FileId.of(path, hit)
+        key = block_key(self.namespace, expect, 0, self.block_size)
+        cache = self._cache
+        if cache.contains(key):
+            # After a restart each entry is checked once before it is passed through:
+            # done here, ahead of the job, instead of in its open
+            cache.verify(key[0])
+            return "cached", 0
+        if not (cache.reserve(hit.size) if reserve else cache.has_room(hit.size)):
+            self._stats.incr("prefetch.no_room")
+            return "no_room", 0
+        pending, owner = self._flights.claim(key)
+        if not owner:
+            if reserve:
+                cache.unreserve(hit.size)
+            return "inflight", 0
+        return Claim(expect, key, pending)
+
+    @contextmanager
+    def _owning(self, claims: list[Claim]) -> Iterator[None]:
+        """Around the fetch of claimed files: waiters wake when it is over, and look for the
+        entry (BlockPath.block)."""
+        try:
+            with self._flights.owning(*(key for _, key, _ in claims)):
+                yield
+        finally:
+            for _, key, pending in claims:
+                self._flights.end(key, pending, (b"", "source"))
+
+    # -- one file ---------------------------------------------------------------------------
+
+    def fill(self, path: str) -> Outcome:
+        """Fetch the file at `path` into the NVMe tier if it is a file of one block.
+        Returns (outcome, bytes fetched) as BlockPath.prefetch_file does, or None if it is
+        not a regular file of one block (prefetch_file's business)."""
+        hit = self._meta.cached(path)
+        if hit is None and self._cache.shares:
+            # the shared tier is asked by identity: a stat first (a request the store
+            # answers from its metadata), then maybe no read at all
+            try:
+                hit = self._meta.getattr(path)
+            except OSError:
+                return "error", 0
+        if isinstance(hit, int):
+            return "error", 0
+        if not isinstance(hit, Attr):
+            return self._fetch(path, None, None)
+        claim = self._claim(path, hit, reserve=False)
+        if not isinstance(claim, Claim):
+            return claim
+        with self._owning([claim]):
+            return self._fetch(path, claim.fid, claim.key)
+
+    def _fetch(self, path: str, expect: FileId | None, key: BlockKey | None) -> Outcome:
+        """The fetch of fill(), owning `key` if it is known."""
+        if expect is not None and self._cache.shares:
+            info = EntryInfo(path, _attr_of(expect), self.block_size)
+            data = self._cache.get_shared(block_key(self.namespace, expect, 0, self.block_size), info)
+            known = self._meta.last_known(path)
+            if data is not None and known is not None:
+                return self._fetched(path, key, Filled(SHARED, known, data=data), None)
+        fetchers = self.fetchers
+        if fetchers is None:
+            return self._fetched(path, key, self._read_here(path, expect), None)
+        room = [expect.size if expect is not None else self.block_size]
+        if not self._cache.reserve(room[0]):
+            self._stats.incr("prefetch.no_room")
+            return "no_room", 0
+        try:
+            try:
+                reply = self._guard.call("stat", fetchers.fill, path, self.block_size, expect,
+                                         self._guard.timeout or None)
+            except FetchUnavailable:  # this one is done here; all of them, if none is left
+                if fetchers.channels <= 0 and self.fetchers is fetchers:
+                    self.fetchers = None
+                    fetchers.close()
+                reply = self._read_here(path, expect)
+            except OSError:
+                reply = Filled(ERROR)
+            return self._fetched(path, key, reply, room)
+        finally:
+            if room[0]:
+                self._cache.unreserve(room[0])
+
+    def _read_here(self, path: str, expect: FileId | None) -> Filled:
+        """A fill's visit to the source in this process, as a fetch process's reply (READ,
+        with the bytes)."""
+        try:
+            attr, data = self._guard.call("stat", self._source.read_whole, path, self.block_size, expect)
+        except SourceChanged:
+            return Filled(CHANGED)
+        except OSError:
+            return Filled(ERROR)
+        return Filled(READ, attr, data=data) if data is not None else Filled(LARGE, attr)
+
+    # -- a batch of one directory's files ------------------------------------------------------
+
+    def fill_many(self, paths: list[str]) -> list[Outcome]:
+        """fill() for several files of one directory at once, through one request to a fetch
+        process (which asks the shared tier for all of them in one request per server): the
+        daemon's cost per file is its bookkeeping, not a round trip each. Files whose
+        attributes are not known yet, or that are not one block, go one by one."""
+        fetchers = self.fetchers
+        if not self._cache.has_disk or fetchers is None:
+            return [self.fill(p) for p in paths]
+        out: list[Outcome] = [None] * len(paths)
+        batch: list[tuple[int, Claim]] = []
+        for i, path in enumerate(paths):
+            hit = self._meta.cached(path)
+            claim = self._claim(path, hit, reserve=True) if isinstance(hit, Attr) else None
+            if claim is None:
+                out[i] = self.fill(path)
+            elif isinstance(claim, Claim):
+                batch.append((i, claim))
+            else:
+                out[i] = claim
+                if claim[0] == "no_room":
+                    break
+        if not batch:
+            return out
+        claims = [claim for _, claim in batch]
+        rooms = [[c.fid.size] for c in claims]
+        with self._owning(claims):
+            try:
+                try:
+                    got = self._guard.call("stat", fetchers.fill_many,
+                                           [Fill(c.fid.path, self.block_size, c.fid) for c in claims],
+                                           self._guard.timeout or None)
+                    replies = got.replies
+                    if got.counts:
+                        self._stats.add_many(got.counts)  # what the fetch process counted of the shared tier
+                except FetchUnavailable:
+                    replies = [self._read_here(c.fid.path, c.fid) for c in claims]
+                except OSError:
+                    replies = [Filled(ERROR)] * len(claims)
+                for (i, c), reply, room in zip(batch, replies, rooms, strict=True):
+                    if reply.attr is None and reply.kind in (STORED, EXISTS, UNSTORED):  # from the shared tier
+                        known = self._meta.last_known(c.fid.path)
+                        reply = reply._replace(attr=known) if known is not None else Filled(ERROR)
+                    out[i] = self._fetched(c.fid.path, c.key, reply, room)
+            finally:
+                for room in rooms:
+                    if room[0]:
+                        self._cache.unreserve(room[0])
+        return out
+
+    # -- what comes back ----------------------------------------------------------------------
+
+    def _fetched(self, path: str, key: BlockKey | None, reply: Filled, room: list[int] | None) -> Outcome:
+        """What a fill does with the answer: cache the attributes, adopt or store the file
+        (handing the held `room` to the admission), count."""
+        kind = reply.kind
+        if kind == CHANGED:
+            self._stats.incr("source.changed")
+            self._on_changed(path)
+            return "error", 0
+        if kind == ERROR:
+            self._stats.incr("prefetch.errors")
+            return "error", 0
+        attr = reply.attr
+        assert attr is not None
+        self._meta.remember(path, attr)  # what the job's lookup will ask
+        if not attr.is_file or not 0 < attr.size <= self.block_size:
+            return None if kind == LARGE else ("cached", 0)
+        fid = FileId.of(path, attr)
+        if key is None:
+            key = block_key(self.namespace, fid, 0, self.block_size)
+        # Counted as a stat (the open and fstat), and a read if it was read: the two
+        # requests an NFS client sends (OPEN or GETATTR, then READ).
+        from_shared = kind == SHARED or reply.shared
+        if not from_shared:
+            self._stats.add_many({"source.read_range": 1, "source.bytes": attr.size})
+        cache = self._cache
+        if kind == EXISTS:
+            return "cached" if cache.contains(key) else "inflight", 0
+        if kind == UNSTORED:
+            cache.write_failed(OSError(reply.errno, reply.message))
+            return "error", 0
+        self._guesses.add(key)  # before it is visible in a tier (see BlockPath.prefetch_block)
+        info = EntryInfo(path, attr, self.block_size)
+        if kind in (READ, SHARED):
+            assert reply.data is not None
+            admitted = cache.put(key, reply.data, info, evict=False, to_ram=False)
+        else:
+            assert kind == STORED and room is not None
+            held, room[0] = room[0], 0
+            admitted = cache.adopt(key, attr.size, reply.hash, info, reserved=held)
+        if not admitted:
+            self._guesses.discard(key)
+            self._stats.incr("prefetch.no_room")
+            return "no_room", 0
+        self._stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": attr.size})
+        if cache.shares and not from_shared and not self.batches_shared:
+            # what came from the source is shared (a fetch process with a shared tier did it)
+            cache.share(key, reply.data if kind == READ else None, info, wait=share_wait())
+        return "fetched", attr.size
+
+
+def _attr_of(fid: FileId) -> Attr:
+    """Attributes standing for a file version whose stat is not at hand."""
+    return Attr(0o100444, 1, 0, 0, fid.size, fid.mtime_ns, fid.mtime_ns, fid.ctime_ns, version=fid.version)

@@ -1,0 +1,442 @@
+"""Metadata: what the daemon knows of the source's names and attributes.
+
+A bounded TTL cache (--metadata-ttl, --negative-ttl) of attributes, listings and extended
+attributes; answers from the NVMe tier's index after a restart (within the TTL of when
+each entry was last known good), each directory then checked once, in bulk, by its first
+listing; listings that bring attributes only while the source gives them cheaply
+(Source.listdir), subdirectories stat'ed ahead in parallel. Every source request goes
+through the source guard (cachefs/guard.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat as stat_mod
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from queue import SimpleQueue
+
+from cachefs import acl
+from cachefs.config import (
+    DEFAULT_METADATA_TTL,
+    DEFAULT_NEGATIVE_TTL,
+    LISTING_DIR_STATS,
+    LISTING_STAT_WORKERS,
+    METADATA_MAX_ENTRIES,
+)
+from cachefs.errors import SOURCE_DOWN
+from cachefs.guard import SourceGuard
+from cachefs.hooks import KernelHooks
+from cachefs.identity import Attr, DirEntry, EntryInfo, FileId
+from cachefs.source import Source
+from cachefs.stats import Stats
+from cachefs.tiers.multilevel import MultiLevelCache
+
+_NO_XATTRS: dict[str, bytes | None] = {}  # never written to: no name is in it
+
+
+class _TTLCache:
+    """A bounded map of path -> (expiry, value), the oldest stored dropped first. Values may
+    be an errno (negative entry)."""
+
+    def __init__(self, max_entries: int, clock: Callable[[], float]):
+        self._data: OrderedDict[str, tuple[float, object]] = OrderedDict()
+        self._max = max_entries
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> object | None:
+        # No lock and no reordering: a lookup is a dict read (atomic), and the entries are
+        # dropped oldest-stored first (put moves an entry to the end).
+        hit = self._data.get(key)
+        if hit is None or hit[0] < self._clock():
+            return None  # an expired entry stays, for get_stale, until pushed out
+        return hit[1]
+
+    def get_stale(self, key: str) -> object | None:
+        """The entry even if expired: what to serve while the source does not answer."""
+        with self._lock:
+            hit = self._data.get(key)
+            return None if hit is None else hit[1]
+
+    def put(self, key: str, value: object, ttl: float) -> None:
+        if ttl <= 0:
+            return
+        with self._lock:
+            self._data[key] = (self._clock() + ttl, value)
+            self._data.move_to_end(key)
+            while len(self._data) > self._max:
+                self._data.popitem(last=False)
+
+    def pop(self, key: str) -> None:
+        with self._lock:
+            self._data.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+class Metadata:
+    def __init__(self, source: Source, guard: SourceGuard, cache: MultiLevelCache, stats: Stats,
+                 hooks: KernelHooks, on_changed: Callable[[str], None], block_size: int,
+                 metadata_ttl: float = DEFAULT_METADATA_TTL, negative_ttl: float = DEFAULT_NEGATIVE_TTL,
+                 clock: Callable[[], float] = time.monotonic, max_entries: int = METADATA_MAX_ENTRIES,
+                 check_acls: bool = False):
+        self.source = source
+        self._guard = guard
+        self._cache = cache
+        self.stats = stats
+        self._hooks = hooks
+        self._on_changed = on_changed  # a file's cached identity turned out wrong (Core.source_changed)
+        self.block_size = block_size
+        self.metadata_ttl = metadata_ttl
+        self.negative_ttl = negative_ttl
+        self._attrs = _TTLCache(max_entries, clock)
+        self._dirs = _TTLCache(max(1, max_entries // 10), clock)
+        self._xattr_cache = _TTLCache(max_entries, clock)
+        # --allow-other: modes are cut down to what POSIX ACLs grant (see _with_acl)
+        self.check_acls = check_acls
+        self.readdir_attrs = True  # listings bring each entry's attributes (see readdir)
+        # The attributes a listing did not bring, when a check needs them all (see readdir)
+        # Not prefetch threads: their requests go through the source pool with the timeout,
+        # and count as demand at the gate (a reader's listing may wait for them).
+        self._stat_pool = ThreadPoolExecutor(LISTING_STAT_WORKERS, thread_name_prefix="cachefs-stat")
+        self._stat_lock = threading.Lock()
+        self._stats_waiting = 0  # subdirectories' stats queued (see _stat_soon)
+        # After a restart, the NVMe tier knows the attributes each cached file was stored
+        # under. Lookups are answered from them (within --metadata-ttl of when they were
+        # last known good), and every directory is checked once, in bulk: its first listing
+        # brings each entry's attributes (one request, as NFS's READDIRPLUS), and a file
+        # found changed is invalidated as any change on the source is. A lookup answered
+        # from the index before its directory was listed has the directory checked in the
+        # background. So a restarted job's first epoch costs a request per directory, not
+        # one per file.
+        self._index_answers = cache.remembers
+        self._checked_dirs: set[str] = set()
+        self._answered: dict[str, set[str]] = {}  # dir -> names answered from the index, unchecked
+        self._check_lock = threading.Lock()
+        self._to_check: SimpleQueue[str] = SimpleQueue()
+        self._checker: threading.Thread | None = None
+        stats.gauge("metadata.entries", lambda: len(self._attrs) + len(self._dirs))
+
+    def getattr(self, path: str) -> Attr:
+        hit = self._attrs.get(path)
+        if isinstance(hit, Attr):
+            self.stats.incr("metadata.hits")
+            return hit
+        if isinstance(hit, int):
+            self.stats.incr("metadata.hits")
+            raise FileNotFoundError(hit, "no such file (cached)", path)
+        if self._index_answers:
+            indexed = self._indexed(path)
+            if indexed is not None:
+                return indexed
+        self.stats.incr("metadata.misses")
+        try:
+            attr = self._guard.call("stat", self.source.stat, path)
+            if self.check_acls:
+                attr = self._with_acl(path, attr)
+        except FileNotFoundError:
+            self._attrs.put(path, errno.ENOENT, self.negative_ttl)
+            raise
+        except OSError as exc:
+            stale = self._stale(self._attrs, path, exc)
+            if isinstance(stale, int):
+                raise FileNotFoundError(stale, "no such file (cached)", path) from None
+            return stale  # type: ignore[return-value]
+        self._attrs.put(path, attr, self.metadata_ttl)
+        return attr
+
+    def known_attr(self, path: str) -> Attr | None:
+        """The attributes of `path` if the daemon knows them (cached, or in the index),
+        without asking the source; None otherwise."""
+        hit = self._attrs.get(path)
+        if isinstance(hit, Attr):
+            self.stats.incr("metadata.hits")
+            return hit
+        if self._index_answers and hit is None:
+            return self._indexed(path)
+        return None
+
+    def attrs_of(self, paths: list[str], fetch: bool = False) -> dict[str, Attr]:
+        """The attributes of those of `paths` the daemon knows (known_attr); with `fetch`,
+        the rest from the source, LISTING_STAT_WORKERS at a time. A path that could not be
+        stat'ed is left out."""
+        known: dict[str, Attr] = {}
+        unknown = []
+        for path in paths:
+            attr = self.known_attr(path)
+            if attr is None:
+                unknown.append(path)
+            else:
+                known[path] = attr
+        if fetch and unknown:
+            known.update(self._stat_all(unknown))
+        return known
+
+    def readdir(self, path: str) -> list[DirEntry]:
+        hit = self._dirs.get(path)
+        if hit is not None:
+            self.stats.incr("metadata.hits")
+            return hit  # type: ignore[return-value]
+        self.stats.incr("metadata.misses")
+        check = self._index_answers and path not in self._checked_dirs
+        # With the attributes of every entry, as NFS's READDIRPLUS: the kernel looks up every
+        # entry of a listing it is given (readdirplus), and `ls -l` stats them all; one
+        # fstatat per entry beside the listing is cheaper than a resolved stat each later.
+        # A source that stats slowly gives few or none (see LocalSource.listdir): those
+        # entries are looked up on demand, as reading the store directly would, so a walk
+        # that needs no attributes (os.walk, ImageFolder) never waits for them. Fetching
+        # every file's ahead in parallel was measured and dropped: it made the walk itself
+        # slower (1.78x -> 2.04x direct, 5x the daemon's CPU) with 16 stat threads on 2
+        # cores, and a job's own requests would queue behind it.
+        attrs = check or self.readdir_attrs
+        try:
+            entries = self._guard.call("listdir", self.source.listdir, path, attrs, check)
+        except OSError as exc:
+            return self._stale(self._dirs, path, exc)  # type: ignore[return-value]
+        prefix = path.rstrip("/") + "/"
+        missing = [prefix + e.name for e in entries if e.attr is None] if attrs else []
+        if check and missing:  # the check compares every entry: fetched now, in parallel
+            try:
+                got = self._stat_all(missing)
+            except OSError:
+                check = False  # not now: a failed stat is no proof of a change (checked later)
+            else:
+                entries = [e if e.attr is not None or prefix + e.name not in got
+                           else e._replace(attr=got[prefix + e.name]) for e in entries]
+        if check:
+            self._check_dir(path, entries)
+        elif attrs:
+            for e in entries:
+                if e.attr is not None:
+                    self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
+            # The subdirectories' attributes, though, are fetched ahead, in parallel: a walk
+            # looks each of them up next (an ImageFolder's class folders), one round trip
+            # after another. Files are left to their own lookups.
+            subdirs = [prefix + e.name for e in entries if e.attr is None and e.type_mode == stat_mod.S_IFDIR]
+            if subdirs:
+                self._stat_soon(subdirs[:LISTING_DIR_STATS])
+        self._dirs.put(path, entries, self.metadata_ttl)
+        return entries
+
+    def _stat_soon(self, paths: list[str]) -> None:
+        """Fetch the attributes of listed entries in the background, unless as many are
+        waiting already (LISTING_DIR_STATS)."""
+        with self._stat_lock:
+            paths = paths[:max(0, LISTING_DIR_STATS - self._stats_waiting)]
+            self._stats_waiting += len(paths)
+        for path in paths:
+            try:
+                self._stat_pool.submit(self._stat_ahead, path)
+            except RuntimeError:  # closing
+                return
+
+    def _stat_ahead(self, path: str) -> None:
+        try:
+            if self._attrs.get(path) is None:  # a lookup may have come first
+                self._stat_one(path)
+        finally:
+            with self._stat_lock:
+                self._stats_waiting -= 1
+
+    def _stat_one(self, path: str, strict: bool = False) -> Attr | None:
+        """The attributes of a listed entry from the source, into the metadata cache. Errors
+        are left to the lookup that needs the entry (`strict`: only "no such file" is)."""
+        try:
+            attr = self._with_acl(path, self._guard.call("stat", self.source.stat, path))
+        except FileNotFoundError:
+            return None
+        except OSError:
+            if strict:
+                raise
+            return None
+        self._attrs.put(path, attr, self.metadata_ttl)
+        return attr
+
+    def _stat_all(self, paths: list[str]) -> dict[str, Attr]:
+        """The attributes of listed entries from the source, fetched in parallel and waited
+        for; an entry gone meanwhile is left out, any other failure raises (OSError)."""
+        with self._hooks.blocking():
+            try:
+                futures = [(path, self._stat_pool.submit(self._stat_one, path, True)) for path in paths]
+            except RuntimeError:  # closed meanwhile
+                raise OSError(errno.ECANCELED, "cachefs is stopping") from None
+            found = {path: future.result() for path, future in futures}
+        return {path: attr for path, attr in found.items() if attr is not None}
+
+    def _indexed(self, path: str) -> Attr | None:
+        """A lookup answered from the NVMe tier's index (see __init__), or None."""
+        known = self._cache.indexed_attr(path)
+        if known is None:
+            return None
+        attr, stored_at = known
+        left = self.metadata_ttl - (time.time() - stored_at)
+        directory, _, name = path.rpartition("/")
+        directory = directory or "/"
+        if left <= 0 or directory in self._checked_dirs:
+            return None  # too old, or its directory's listing said otherwise (not listed: gone)
+        with self._check_lock:
+            names = self._answered.get(directory)
+            first = names is None
+            if first:
+                names = self._answered[directory] = set()
+            names.add(name)  # type: ignore[union-attr]
+        self._attrs.put(path, attr, min(left, self.metadata_ttl))
+        self.stats.incr("metadata.index_hits")
+        if first:
+            self._check_soon(directory)
+        return attr
+
+    def _check_dir(self, directory: str, entries: list[DirEntry]) -> None:
+        """The first listing of a directory since the start, with attributes: its files'
+        attributes are cached, and those the index answered with are compared."""
+        prefix = directory.rstrip("/") + "/"
+        fresh = {}
+        for e in entries:
+            if e.attr is not None:
+                fresh[e.name] = e.attr
+                self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
+        # Only now is the directory checked: until here a lookup found the index (and is
+        # in `answered`) or the listing's attributes, never the source.
+        with self._check_lock:
+            self._checked_dirs.add(directory)
+            answered = self._answered.pop(directory, set())
+        for name, attr in fresh.items():
+            known = self._cache.indexed_attr(prefix + name)
+            if known is None:
+                continue
+            if FileId.of(prefix + name, known[0]).matches(attr):
+                self._cache.confirm(prefix + name)
+            elif name in answered:
+                self.stats.incr("metadata.index_stale")
+                self._on_changed(prefix + name)  # the kernel may hold the old attributes
+        for name in answered - fresh.keys():  # gone from the source since it was cached
+            self.stats.incr("metadata.index_stale")
+            self._on_changed(prefix + name)
+
+    def _check_soon(self, directory: str) -> None:
+        """List `directory` with attributes in the background (see _check_dir)."""
+        self._to_check.put(directory)
+        with self._check_lock:
+            if self._checker is None:
+                self._checker = threading.Thread(target=self._check_loop, name="cachefs-check", daemon=True)
+                self._checker.start()
+
+    def _check_loop(self) -> None:
+        while True:
+            directory = self._to_check.get()
+            if not directory:
+                return
+            if directory in self._checked_dirs:
+                continue
+            self._dirs.pop(directory)  # listed again, with attributes
+            try:
+                self.readdir(directory)
+            except OSError:
+                pass  # the job's own lookups see the error
+
+    def _stale(self, cache: _TTLCache, path: str, exc: OSError) -> object:
+        """While the source does not answer, expired metadata is better than none: the
+        files it names may be cached in full. Re-raises `exc` otherwise."""
+        if exc.errno in SOURCE_DOWN:
+            stale = cache.get_stale(path)
+            if stale is not None:
+                self.stats.incr("metadata.stale_served")
+                return stale
+        raise exc
+
+    def readlink(self, path: str) -> str:
+        return self._guard.call("readlink", self.source.readlink, path)
+
+    def statfs(self) -> dict:
+        return self._guard.call("statfs", self.source.statfs)
+
+    def _xattrs_of(self, path: str) -> dict[str, bytes | None]:
+        """The extended attributes of `path`: name -> value (None until asked for), the
+        names from one listxattr. Kept with the metadata for --metadata-ttl: `ls -l` asks
+        for two attributes of every file it lists, and most files have none."""
+        known = self._xattr_cache.get(path)
+        if isinstance(known, dict):
+            self.stats.incr("metadata.hits")
+            return known
+        try:
+            names = self._guard.call("listxattr", self.source.listxattr, path)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                raise
+            names = []
+        fresh: dict[str, bytes | None] = dict.fromkeys(names) if names else _NO_XATTRS
+        self._xattr_cache.put(path, fresh, self.metadata_ttl)  # most files: one shared "none"
+        return fresh
+
+    def getxattr(self, path: str, name: str) -> bytes:
+        known = self._xattrs_of(path)
+        if name not in known:
+            raise OSError(errno.ENODATA, "no such attribute", path)
+        value = known[name]
+        if value is None:
+            value = known[name] = self._guard.call("getxattr", self.source.getxattr, path, name)
+        return value
+
+    def listxattr(self, path: str) -> list[str]:
+        return list(self._xattrs_of(path))
+
+    def _with_acl(self, path: str, attr: Attr) -> Attr:
+        """Under --allow-other (`check_acls`): the mode cut down to what the file's POSIX ACL
+        grants each class of users (cachefs.acl), so the kernel never grants more."""
+        if not self.check_acls or stat_mod.S_ISLNK(attr.mode):
+            return attr
+        try:
+            raw = self.source.getxattr(path, acl.XATTR)
+        except OSError as exc:
+            if exc.errno == errno.ENODATA:
+                return attr
+            if exc.errno in (errno.ENOTSUP, errno.EOPNOTSUPP):
+                return attr  # no extended attributes here, so no ACL
+            return attr._replace(mode=attr.mode & ~0o077)  # unknown: never more than the owner's
+        return attr._replace(mode=acl.restrict(attr.mode, raw, attr.gid))
+
+    def invalidate(self, path: str) -> None:
+        """Forget cached metadata of `path` (its blocks are keyed by identity and simply stop matching)."""
+        self._attrs.pop(path)
+        self._dirs.pop(path)
+        self._xattr_cache.pop(path)
+
+    def entry_info(self, fid: FileId) -> EntryInfo:
+        """What a tier records with a cached file version: its path and attributes (kept so
+        that a remounted cache answers lookups without asking the source)."""
+        attr = self._attrs.get_stale(fid.path)
+        if not isinstance(attr, Attr) or not fid.matches(attr):
+            attr = Attr(stat_mod.S_IFREG | 0o444, 1, os.getuid(), os.getgid(), fid.size, fid.mtime_ns,
+                        fid.mtime_ns, fid.ctime_ns, (fid.size + 511) // 512, version=fid.version)
+        return EntryInfo(fid.path, attr, self.block_size)
+
+    def file_id(self, path: str) -> FileId:
+        attr = self.getattr(path)
+        if attr.is_dir:
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        if not attr.is_file:
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        return FileId.of(path, attr)
+
+    def cached(self, path: str) -> object | None:
+        """What the metadata cache holds for `path` (Attr, an errno, or None), unexpired."""
+        return self._attrs.get(path)
+
+    def remember(self, path: str, attr: Attr) -> None:
+        """Attributes learnt on the way (a fetch process's visit): kept for the TTL."""
+        self._attrs.put(path, attr, self.metadata_ttl)
+
+    def last_known(self, path: str) -> Attr | None:
+        """The attributes last known of `path`, even if expired."""
+        attr = self._attrs.get_stale(path)
+        return attr if isinstance(attr, Attr) else None
+
+    def close(self) -> None:
+        self._to_check.put("")
+        self._stat_pool.shutdown(wait=False, cancel_futures=True)  # a hung stat stays hung
