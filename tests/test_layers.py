@@ -22,7 +22,8 @@ LAYERS = [
     ("core", {"core"}),
     ("features", {"hints", "warm", "coverage", "control", "metrics"}),
     ("file system", {"fs"}),
-    ("daemon and command line", {"daemon", "validate", "mount", "watch", "cli", "mounthelper", "__main__"}),
+    ("daemon and command line", {"daemon", "validate", "mount", "watch", "options", "cli", "mounthelper",
+                                 "__main__"}),
 ]
 RANK = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 # What modules outside cachefs/tiers/ may import of it: the composite cache (the one door),

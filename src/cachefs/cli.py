@@ -13,26 +13,10 @@ from typing import Any
 
 from cachefs import __version__
 from cachefs.config import (
-    DEFAULT_BLOCK_SIZE,
-    DEFAULT_MAX_IDLE,
-    DEFAULT_METADATA_TTL,
-    DEFAULT_NEGATIVE_TTL,
-    DEFAULT_PASSTHROUGH,
-    DEFAULT_POLICY,
-    DEFAULT_PREFETCH_WORKERS,
-    DEFAULT_READAHEAD,
-    DEFAULT_SOURCE_TIMEOUT,
-    PASSTHROUGH_MODES,
-    READAHEAD_MODES,
-    ROTATIONAL_PREFETCH_WORKERS,
-    Config,
-    default_cache_dir,
     format_size,
-    parse_duration,
-    parse_size,
 )
 from cachefs.errors import CachefsError
-from cachefs.policy import parse_policy_spec
+from cachefs.options import add_mount_options, checked_type, config_from, duration_type, positive_type
 from cachefs.stats import block_hit_rate
 
 
@@ -43,76 +27,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _argtype(parse: Callable[[str, str], Any], what: str) -> Callable[[str], Any]:
-    """An argparse type from one of config's parsers, whose CachefsError becomes a usage error."""
-
-    def convert(text: str) -> Any:
-        try:
-            return parse(text, what)
-        except CachefsError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return convert
-
-
-def _size(what: str) -> Callable[[str], int]:
-    return _argtype(parse_size, what)
-
-
-def _duration(what: str) -> Callable[[str], float]:
-    return _argtype(parse_duration, what)
-
-
-def _checked(check: Callable[[str], object], what: str) -> Callable[[str], str]:
-    """An argparse type that keeps the text once `check` (raising ValueError) accepts it."""
-
-    def convert(text: str) -> str:
-        try:
-            check(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"invalid {what}: {exc}") from None
-        return text
-
-    return convert
-
-
-def _positive(what: str, kind: type = int) -> Callable[[str], Any]:
-    """An argparse type for a positive number (int: at least 1; float: above 0, finite)."""
-    noun = "a whole number" if kind is int else "a number"
-
-    def convert(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid {what} {text!r}: expected {noun}") from None
-        if not 0 < value < float("inf"):
-            raise argparse.ArgumentTypeError(f"invalid {what} {text!r}: must be positive")
-        return value
-
-    return convert
-
-
 def _check_transform(text: str) -> None:
     if text not in ("standard", "eval", "none") and not all(text.partition(":")[::2]):
         raise ValueError(f"{text!r}: use standard, eval, none or MODULE:NAME")
-
-
-def _parse_metrics_addr(text: str) -> object:
-    from cachefs.metrics import parse_metrics_addr  # imports no prometheus-client
-
-    return parse_metrics_addr(text)
-
-
-def _parse_shared_cache(text: str) -> object:
-    from cachefs.config import parse_servers
-
-    return parse_servers(text)
-
-
-def _parse_namespace(text: str) -> object:
-    if not text or len(text) > 100 or any(c.isspace() or not c.isprintable() for c in text):
-        raise ValueError("a name of 1 to 100 printable characters without spaces")
-    return text
 
 
 def _parse_shard(text: str) -> tuple[int, int]:
@@ -131,90 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Mirror SOURCE read-only at MOUNTPOINT, caching blocks in RAM and on local disk.")
     m.add_argument("source", help="the slow directory (NFS, SMB, sshfs, HDD, ...)")
     m.add_argument("mountpoint", help="an existing empty directory")
-    tiers = m.add_argument_group("cache tiers")
-    tiers.add_argument("--ram-size", type=_size("--ram-size"), metavar="SIZE",
-                       help="RAM tier budget, e.g. 16GiB (default: 1/4 of memory, at most 4 GiB). "
-                            "The kernel page cache comes on top of it.")
-    tiers.add_argument("--cache-dir", default=default_cache_dir(), metavar="DIR",
-                       help="where the NVMe tier lives; put it on local flash (default: %(default)s)")
-    tiers.add_argument("--disk-size", type=_size("--disk-size"), metavar="SIZE",
-                       help="NVMe tier budget, a hard limit, e.g. 200GiB; 0 disables the tier "
-                            "(default: half the free space of the cache disk, at most 64 GiB)")
-    tiers.add_argument("--min-free", type=_size("--min-free"), metavar="SIZE",
-                       help="space the NVMe tier always leaves free on the cache disk, a hard limit "
-                            "(default: 5%% of the disk, at most 10 GiB)")
-    tiers.add_argument("--policy", default=DEFAULT_POLICY, type=_checked(parse_policy_spec, "--policy"),
-                       metavar="POLICY",
-                       help="what each tier keeps: keep (admit until full, then keep: the best hit rate "
-                            "under shuffled epochs) or lru; per tier as ram=lru,disk=keep "
-                            "(default: %(default)s)")
-    tiers.add_argument("--max-idle", type=_duration("--max-idle"), default=DEFAULT_MAX_IDLE, metavar="SECONDS",
-                       help="evict blocks unread this long before any other, e.g. 12h; 0 = never "
-                            f"(default: {DEFAULT_MAX_IDLE / 3600:.0f}h)")
-    tiers.add_argument("--block-size", type=_size("--block-size"), default=DEFAULT_BLOCK_SIZE, metavar="SIZE",
-                       help="cache block size; files up to this size are one block "
-                            f"(default: {format_size(DEFAULT_BLOCK_SIZE)})")
-    meta = m.add_argument_group("metadata")
-    meta.add_argument("--metadata-ttl", type=_duration("--metadata-ttl"), default=DEFAULT_METADATA_TTL,
-                      metavar="SECONDS",
-                      help="how long stat results and listings are trusted, in cachefs and the kernel; "
-                           "changes on the source show up after this (default: %(default)gs, "
-                           "for an immutable dataset)")
-    meta.add_argument("--negative-ttl", type=_duration("--negative-ttl"), default=DEFAULT_NEGATIVE_TTL,
-                      metavar="SECONDS", help="how long 'no such file' is remembered (default: %(default)gs)")
-    meta.add_argument("--source-timeout", type=_duration("--source-timeout"), default=DEFAULT_SOURCE_TIMEOUT,
-                      metavar="SECONDS",
-                      help="a source request slower than this fails with ETIMEDOUT instead of hanging the "
-                           "reader; the source then counts as down and cached files keep being served "
-                           "(default: %(default)gs; 0: wait forever)")
-    ra = m.add_argument_group("read-ahead and warming")
-    ra.add_argument("--readahead", choices=READAHEAD_MODES, default=DEFAULT_READAHEAD,
-                    help="off; file: fetch ahead of sequential readers inside big files; dir: that, plus "
-                         "the unread files of each directory the job reads, in sorted order, into free "
-                         "cache space only (default: %(default)s)")
-    ra.add_argument("--prefetch-workers", type=int, metavar="N",
-                    help="parallel source fetches for read-ahead and warming; demand misses do not "
-                         f"wait for these (default: {DEFAULT_PREFETCH_WORKERS}, or "
-                         f"{ROTATIONAL_PREFETCH_WORKERS} when the source is a local spinning disk)")
-    ra.add_argument("--fetch-processes", type=int, metavar="N",
-                    help="processes that fetch small files from the source and write them to the NVMe "
-                         "tier when opens are passed through, beside the daemon's own threads; 0: the "
-                         "daemon does it itself (default: one per two cores, 1 to 4)")
-    ra.add_argument("--warm", action="store_true",
-                    help="load the whole source into the cache in the background, below the job's own reads")
-    sh = m.add_argument_group("a cache tier shared by the nodes of a cluster")
-    sh.add_argument("--shared-cache", type=_checked(_parse_shared_cache, "--shared-cache"),
-                    metavar="memcached://HOST:PORT[,HOST:PORT...]",
-                    help="memcached servers every node reads from after its own RAM and NVMe and before "
-                         "the source, and stores what it reads from the source in (needs pymemcache in "
-                         "cachefs's environment: pip install pymemcache)")
-    sh.add_argument("--shared-namespace", type=_checked(_parse_namespace, "--shared-namespace"), metavar="NAME",
-                    help="names this dataset in the shared tier's keys, alike on every node (default: the "
-                         "source directory's name)")
-    run = m.add_argument_group("running")
-    run.add_argument("--metrics-addr", type=_checked(_parse_metrics_addr, "--metrics-addr"), metavar="[HOST:]PORT",
-                     help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to "
-                          "127.0.0.1, loopback only; needs prometheus-client in cachefs's environment: "
-                          "pip install prometheus-client)")
-    run.add_argument("-f", "--foreground", action="store_true",
-                     help="stay in the foreground (log to stderr); Ctrl-C or SIGTERM unmounts")
-    run.add_argument("--allow-other", action="store_true",
-                     help="let other users use the mount; the kernel then enforces the source's modes")
-    run.add_argument("--log-file", metavar="FILE", help="daemon log (default: CACHE_DIR/cachefs.log)")
-    run.add_argument("-v", "--verbose", action="count", default=0, help="-v info, -vv debug (with tracebacks)")
-    run.add_argument("--passthrough", choices=PASSTHROUGH_MODES, default=DEFAULT_PASSTHROUGH,
-                     help="auto: the kernel reads cached files directly (FUSE passthrough, Linux 6.9+, "
-                          "root) where it can, zero-message opens otherwise; on: passthrough, falling back "
-                          "per open where refused; off: zero-message opens, which are faster while the "
-                          "page cache holds the whole dataset (default: %(default)s)")
-    run.add_argument("--open-per-handle", action="store_true",
-                     help="send every open() to cachefs instead of using zero-message opens "
-                          "(slower warm epochs; for debugging)")
-    run.add_argument("--debug-fuse", action="store_true",
-                     help="log every FUSE request: operation, node, caller's pid, outcome and time (very verbose)")
-    run.add_argument("--check", action="store_true",
-                     help="check the request (paths, sizes, FUSE) and say what would be mounted; "
-                          "mounts and writes nothing")
+    add_mount_options(m)
 
     s = sub.add_parser("stats", help="show what a mount's cache is doing",
                        description="Hits, misses and occupancy per tier, and source traffic, of a cachefs mount.")
@@ -222,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a cachefs mount point, or with --coverage any directory or file on one "
                         "(default: list all cachefs mounts)")
     s.add_argument("--json", action="store_true", help="print the raw snapshot as JSON (every key: docs/stats.md)")
-    s.add_argument("--watch", nargs="?", const=1.0, type=_duration("--watch"), metavar="SECONDS",
+    s.add_argument("--watch", nargs="?", const=1.0, type=duration_type("--watch"), metavar="SECONDS",
                    help="a live view: per-second rates (reads, MB/s from each tier and from the source, "
                         "hit rate and source p99 over the last interval), refreshed every SECONDS "
                         "(default 1); one line per interval when not on a terminal. Ctrl-C stops it")
@@ -238,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "store's order, in parallel, below any training reads. Safe while training "
                                    "runs; run it again to resume. Ctrl-C stops it.")
     w.add_argument("paths", nargs="+", metavar="PATH")
-    w.add_argument("--shard", type=_checked(_parse_shard, "--shard"), metavar="RANK/WORLD",
+    w.add_argument("--shard", type=checked_type(_parse_shard, "--shard"), metavar="RANK/WORLD",
                    help="warm only this node's share of the files (RANK from 0 to WORLD-1): with "
                         "--shared-cache, WORLD nodes each warming their RANK fill the shared tier for all")
     w.add_argument("--json", action="store_true", help="print the final report as JSON")
@@ -249,17 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    "sampling CPU and I/O; then name the bottleneck, with the figures and advice. "
                                    "Reads about 2 x SECONDS worth of the dataset. Needs the torch extra.")
     d.add_argument("path", metavar="PATH", help="the dataset root (PATH/<class>/<image>), on any filesystem")
-    d.add_argument("--workers", type=_positive("--workers"), default=None, metavar="N",
+    d.add_argument("--workers", type=positive_type("--workers"), default=None, metavar="N",
                    help="reader processes and DataLoader workers (default: the CPU count, at most 8)")
-    d.add_argument("--batch-size", type=_positive("--batch-size"), default=64, metavar="B", help="default 64")
-    d.add_argument("--seconds", type=_duration("--seconds"), default=10.0, metavar="S",
+    d.add_argument("--batch-size", type=positive_type("--batch-size"), default=64, metavar="B", help="default 64")
+    d.add_argument("--seconds", type=duration_type("--seconds"), default=10.0, metavar="S",
                    help="length of each of the two measurements (default 10)")
-    d.add_argument("--transform", default="standard", type=_checked(_check_transform, "--transform"),
+    d.add_argument("--transform", default="standard", type=checked_type(_check_transform, "--transform"),
                    metavar="NAME",
                    help="standard (RandomResizedCrop 224, flip, normalize; the default), eval (resize, "
                         "center crop), none (bytes only: GPU decoding), or MODULE:NAME of your own callable "
                         "taking a PIL image")
-    d.add_argument("--target", type=_positive("--target", float), default=None, metavar="IMG/S",
+    d.add_argument("--target", type=positive_type("--target", float), default=None, metavar="IMG/S",
                    help="images/s your training step consumes; the pipeline is fine at or above it "
                         "(default 1000)")
     d.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -524,18 +358,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 def _cmd_mount(args: argparse.Namespace) -> int:
     from cachefs.mount import mount
 
-    config = Config(
-        source=args.source, mountpoint=args.mountpoint, cache_dir=args.cache_dir,
-        ram_size=args.ram_size, disk_size=args.disk_size, block_size=args.block_size,
-        metadata_ttl=args.metadata_ttl, negative_ttl=args.negative_ttl, foreground=args.foreground,
-        source_timeout=args.source_timeout,
-        allow_other=args.allow_other, log_file=args.log_file, verbose=args.verbose,
-        debug_fuse=args.debug_fuse, zero_message_open=not args.open_per_handle, passthrough=args.passthrough,
-        readahead=args.readahead, prefetch_workers=args.prefetch_workers, fetch_processes=args.fetch_processes,
-        warm=args.warm,
-        metrics_addr=args.metrics_addr, shared_cache=args.shared_cache, shared_namespace=args.shared_namespace,
-        policy=args.policy, max_idle=args.max_idle, min_free=args.min_free,
-    )
+    config = config_from(args)
     return mount(config, check_only=args.check)
 
 

@@ -263,6 +263,80 @@ class Config:
     source_timeout: float = DEFAULT_SOURCE_TIMEOUT  # seconds; 0 = off
 
 
+# -- Demand first at the source (cachefs/gate.py) --------------------------------------
+
+CONGESTED = 3.0      # a demand request this many times its floor (plus SLACK) is congested
+SLACK = 0.003        # seconds: jitter that is not congestion (a store at 0.1 ms, a busy CPU)
+FLOOR_CREEP = 0.05   # the floors rise this share per second without a lower sample
+
+# -- The NVMe tier (cachefs/tiers/disk.py) ---------------------------------------------
+
+SUSPEND_AFTER = 8       # cache-disk failures in a row that turn the tier off ...
+SUSPEND_FOR = 60.0      # ... for this many seconds
+EXACT_MARGIN = 8 << 20  # bytes: closer than this to a limit, every write re-measures
+EXACT_EVERY = 256       # and at least every this many writes
+INDEX_MIN = 64 << 10    # the index is compacted when it outgrows max(INDEX_MIN, 2 x its live part)
+INDEX_FLUSH_BYTES = 64 << 10  # index lines are written in batches of this many bytes ...
+INDEX_FLUSH_EVERY = 0.2       # ... or after this many seconds
+SCRUB_RATE = 64 << 20   # bytes a second the scrub reads while it checks blocks after a crash
+SCRUB_IDLE_RATE = 4 << 20  # and then, going round the whole tier for bit rot
+WRITER_NICE = 19        # the scrub's nice value
+
+# -- The shared tier (cachefs/tiers/shared.py) -----------------------------------------
+
+DEFAULT_TIMEOUT = 0.5  # seconds: a node's NVMe answers in well under this; a live server too
+DEFAULT_DOWN_FOR = 5.0
+DEFAULT_PENDING_BYTES = 64 << 20  # puts waiting for the background thread
+
+# -- The file stores (cachefs/tiers/store.py) ------------------------------------------
+
+FD_CACHE = 256          # open descriptors kept for reading entry files
+
+# -- The source (cachefs/source.py) ----------------------------------------------------
+
+KEPT_FILES = 64  # big source files kept open between block reads
+
+# -- Fetch processes (cachefs/fetcher.py) ----------------------------------------------
+
+BATCH_THREADS = 8  # source visits of one batch in parallel
+
+# -- The control socket (cachefs/control.py) -------------------------------------------
+
+# Bounds on what a connection may cost the daemon (every local user can reach the socket):
+MAX_CONNECTIONS = 32       # the owner's (and root's) requests served at once; more are told "busy"
+REQUEST_TIMEOUT = 10.0     # seconds a connection has to send its request line
+REQUEST_MAX = 1 << 20      # bytes of a request line
+REFUSALS_QUEUED = 64       # another user's connections waiting for their "permission denied"
+REFUSAL_READ = 128 << 10   # bytes read from one of them (closing on unread data resets it)
+REFUSAL_TIMEOUT = 0.5      # seconds spent on one of them
+ACCEPT_RETRY = 0.1         # seconds before accept() is tried again after it failed (EMFILE)
+
+# -- Order hints (cachefs/hints.py) ----------------------------------------------------
+
+# Share of the RAM tier that hinted, not-yet-read blocks may hold, over all sessions. The
+# rest keeps blocks read recently (two jobs on one dataset, a re-read), and a window this
+# deep is far ahead of any reader: the pool fetches faster than a job consumes.
+HINT_RAM_SHARE = 0.5
+# A worker that finds hinted work wakes another while more than this share of the
+# session's window is free (see HintBoard.__call__; tools/torchbench.py hint measured 16
+# threads woken per read serving an NVMe-speed epoch 1.0x, one per read 1.3x).
+WAKE_MORE_ROOM = 0.25
+# A hinted block already on NVMe is fetched ahead into RAM only if an NVMe read takes at
+# least this long (seconds, moving average). Below it, the reader's own read costs less
+# CPU than fetching ahead, pinning and waking a pool thread: measured with
+# tools/torchbench.py hint on this 2-core machine, where NVMe reads take ~0.2 ms, hinted
+# epochs ran at 0.63x of plain ones when every block was fetched ahead.
+HINT_DISK_LATENCY = 0.001
+# Paths a session may queue in the daemon; a client past this is cut off at the oldest.
+MAX_QUEUED_PATHS = 1 << 16
+
+# -- Direct reads (cachefs/directio.py) ------------------------------------------------
+
+# Only buffers up to this size are kept (16 x 2 MiB at most, outside --ram-size): with
+# --block-size 256MiB, 16 kept block-sized buffers held 1.8 GiB after the reads were done.
+# A bigger read maps its own buffer and unmaps it after.
+BUFFER_KEPT_MAX = 2 << 20
+
 SHARED_SCHEME = "memcached://"  # --shared-cache memcached://HOST:PORT[,HOST:PORT...]
 
 

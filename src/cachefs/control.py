@@ -25,6 +25,16 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from cachefs.config import (
+    ACCEPT_RETRY,
+    MAX_CONNECTIONS,
+    REFUSAL_READ,
+    REFUSAL_TIMEOUT,
+    REFUSALS_QUEUED,
+    REQUEST_MAX,
+    REQUEST_TIMEOUT,
+)
+
 log = logging.getLogger(__name__)
 
 Handler = Callable[[dict, Callable[[dict], None]], dict]
@@ -40,14 +50,6 @@ def address_for(mountpoint: str) -> str:
     return f"\0cachefs-{os.getuid()}-{digest}-{os.getpid()}"
 
 
-# Bounds on what a connection may cost the daemon (every local user can reach the socket):
-MAX_CONNECTIONS = 32       # the owner's (and root's) requests served at once; more are told "busy"
-REQUEST_TIMEOUT = 10.0     # seconds a connection has to send its request line
-REQUEST_MAX = 1 << 20      # bytes of a request line
-REFUSALS_QUEUED = 64       # another user's connections waiting for their "permission denied"
-REFUSAL_READ = 128 << 10   # bytes read from one of them (closing on unread data resets it)
-REFUSAL_TIMEOUT = 0.5      # seconds spent on one of them
-ACCEPT_RETRY = 0.1         # seconds before accept() is tried again after it failed (EMFILE)
 
 
 class ControlServer:

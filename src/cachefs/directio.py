@@ -30,6 +30,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Generic, TypeVar
 
+from cachefs.config import BUFFER_KEPT_MAX
+
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
 
@@ -37,10 +39,6 @@ ALIGN = 4096  # O_DIRECT wants buffers, offsets and lengths aligned to the logic
 
 _buffers: list[mmap.mmap] = []  # aligned O_DIRECT buffers, reused (list ops are atomic)
 _BUFFERS_KEPT = 16
-# Only buffers up to this size are kept (16 x 2 MiB at most, outside --ram-size): with
-# --block-size 256MiB, 16 kept block-sized buffers held 1.8 GiB after the reads were done.
-# A bigger read maps its own buffer and unmaps it after.
-BUFFER_KEPT_MAX = 2 << 20
 
 
 def pread(fd: int, offset: int, size: int) -> bytes:

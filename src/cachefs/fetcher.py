@@ -51,6 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 from cachefs.blocks import entry_id
+from cachefs.config import BATCH_THREADS
 from cachefs.errors import SourceChanged
 from cachefs.identity import Attr, FileId
 from cachefs.source import open_source
@@ -115,7 +116,6 @@ class FilledBatch(NamedTuple):
     replies: list[Filled]
     counts: dict[str, int]  # the shared.* counters the worker added
 PR_SET_PDEATHSIG = 1
-BATCH_THREADS = 8  # source visits of one batch in parallel
 
 
 def _send(sock: socket.socket, obj: tuple) -> None:  # type: ignore[type-arg]

@@ -43,11 +43,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from cachefs.config import CONGESTED, FLOOR_CREEP, SLACK
 from cachefs.stats import Stats
-
-CONGESTED = 3.0      # a demand request this many times its floor (plus SLACK) is congested
-SLACK = 0.003        # seconds: jitter that is not congestion (a store at 0.1 ms, a busy CPU)
-FLOOR_CREEP = 0.05   # the floors rise this share per second without a lower sample
 
 
 class SourceGate:

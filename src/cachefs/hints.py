@@ -38,6 +38,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from cachefs.blocks import block_extent, block_key
+from cachefs.config import HINT_DISK_LATENCY, HINT_RAM_SHARE, MAX_QUEUED_PATHS, WAKE_MORE_ROOM
 from cachefs.hintclient import DEFAULT_LOOKAHEAD
 from cachefs.identity import BlockKey, FileId
 
@@ -46,25 +47,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Share of the RAM tier that hinted, not-yet-read blocks may hold, over all sessions. The
-# rest keeps blocks read recently (two jobs on one dataset, a re-read), and a window this
-# deep is far ahead of any reader: the pool fetches faster than a job consumes.
-HINT_RAM_SHARE = 0.5
 
-# A worker that finds hinted work wakes another while more than this share of the
-# session's window is free (see HintBoard.__call__; tools/torchbench.py hint measured 16
-# threads woken per read serving an NVMe-speed epoch 1.0x, one per read 1.3x).
-WAKE_MORE_ROOM = 0.25
 
-# A hinted block already on NVMe is fetched ahead into RAM only if an NVMe read takes at
-# least this long (seconds, moving average). Below it, the reader's own read costs less
-# CPU than fetching ahead, pinning and waking a pool thread: measured with
-# tools/torchbench.py hint on this 2-core machine, where NVMe reads take ~0.2 ms, hinted
-# epochs ran at 0.63x of plain ones when every block was fetched ahead.
-HINT_DISK_LATENCY = 0.001
 
-# Paths a session may queue in the daemon; a client past this is cut off at the oldest.
-MAX_QUEUED_PATHS = 1 << 16
 
 
 

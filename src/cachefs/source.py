@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Protocol
 
-from cachefs.config import LISTING_CHEAP_STAT, LISTING_PROBE_EVERY, LISTING_SLOW_STAT, LISTING_STAT_BUDGET
+from cachefs.config import KEPT_FILES, LISTING_CHEAP_STAT, LISTING_PROBE_EVERY, LISTING_SLOW_STAT, LISTING_STAT_BUDGET
 from cachefs.directio import ALIGN as _ALIGN
 from cachefs.directio import DescriptorCache
 from cachefs.directio import pread as _pread
@@ -101,7 +101,6 @@ _syscall = _load_syscall()
 
 _PATH_CHUNK = 3072  # bytes of a path given to one openat2 (PATH_MAX is 4096)
 
-KEPT_FILES = 64  # big source files kept open between block reads
 
 
 class LocalSource:

@@ -34,7 +34,19 @@ import os
 import threading
 import time
 
-from cachefs.config import format_size
+from cachefs.config import (
+    EXACT_EVERY,
+    EXACT_MARGIN,
+    INDEX_FLUSH_BYTES,
+    INDEX_FLUSH_EVERY,
+    INDEX_MIN,
+    SCRUB_IDLE_RATE,
+    SCRUB_RATE,
+    SUSPEND_AFTER,
+    SUSPEND_FOR,
+    WRITER_NICE,
+    format_size,
+)
 from cachefs.directio import pread, pread_direct
 from cachefs.identity import Attr
 from cachefs.policy import DEFAULT_POLICY, Policy
@@ -51,18 +63,8 @@ from cachefs.tiers.store import (
 
 log = logging.getLogger(__name__)
 
-SUSPEND_AFTER = 8       # cache-disk failures in a row that turn the tier off ...
-SUSPEND_FOR = 60.0      # ... for this many seconds
-EXACT_MARGIN = 8 << 20  # bytes: closer than this to a limit, every write re-measures
-EXACT_EVERY = 256       # and at least every this many writes
 DIR_BYTES = 4096        # a directory, until its entries outgrow one block
 DIR_ENTRY_BYTES = 56    # an ext4 directory entry for a 32-character name, rounded up
-INDEX_MIN = 64 << 10    # the index is compacted when it outgrows max(INDEX_MIN, 2 x its live part)
-INDEX_FLUSH_BYTES = 64 << 10  # index lines are written in batches of this many bytes ...
-INDEX_FLUSH_EVERY = 0.2       # ... or after this many seconds
-SCRUB_RATE = 64 << 20   # bytes a second the scrub reads while it checks blocks after a crash
-SCRUB_IDLE_RATE = 4 << 20  # and then, going round the whole tier for bit rot
-WRITER_NICE = 19        # the scrub's nice value
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 

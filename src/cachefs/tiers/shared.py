@@ -35,6 +35,7 @@ from typing import Any, Protocol
 import xxhash
 
 from cachefs.blocks import block_extent
+from cachefs.config import DEFAULT_DOWN_FOR, DEFAULT_PENDING_BYTES, DEFAULT_TIMEOUT
 from cachefs.identity import BlockKey, EntryInfo, FileId
 from cachefs.stats import Stats
 
@@ -46,9 +47,6 @@ _MAGIC = b"CFS1"
 _HEADER = struct.Struct("<4s16sIHQ")
 ITEM_OVERHEAD = 256  # bytes memcached needs besides the value in an item (key, flags, CAS)
 DEFAULT_ITEM_MAX = 1 << 20
-DEFAULT_TIMEOUT = 0.5  # seconds: a node's NVMe answers in well under this; a live server too
-DEFAULT_DOWN_FOR = 5.0
-DEFAULT_PENDING_BYTES = 64 << 20  # puts waiting for the background thread
 
 
 class Client(Protocol):

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable
 
+from cachefs.config import FD_CACHE
 from cachefs.directio import DescriptorCache, pread, pread_direct
 from cachefs.identity import Attr, BlockKey, EntryInfo
 from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
@@ -33,7 +34,6 @@ from cachefs.tiers.layout import block_hash, entry_file, write_all
 log = logging.getLogger(__name__)
 
 
-FD_CACHE = 256          # open descriptors kept for reading entry files
 FALLOC_FL_KEEP_SIZE = 0x01
 FALLOC_FL_PUNCH_HOLE = 0x02
 
