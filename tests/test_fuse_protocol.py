@@ -15,7 +15,8 @@ import threading
 import pytest
 
 from cachefs.fuse import protocol as p
-from cachefs.fuse.session import DirItem, Entry, FuseError, Opened, Operations, Session
+from cachefs.fuse.ops import DirItem, Entry, FuseError, Opened, Operations
+from cachefs.fuse.session import Session
 
 ATTR = p.Attr(ino=7, mode=stat.S_IFREG | 0o644, nlink=1, uid=1000, gid=1000, size=5,
               atime_ns=1_500_000_000, mtime_ns=2_000_000_001, ctime_ns=3_000_000_002)

@@ -13,7 +13,7 @@ SRC = ROOT / "src" / "cachefs"
 LAYERS = [
     ("foundation", {"errors", "identity", "config", "stats", "directio", "acl", "blocks", "policy", "readahead",
                     "hooks", "__init__"}),
-    ("fuse protocol", {"fuse", "fuse.kernel", "fuse.protocol", "fuse.session"}),
+    ("fuse protocol", {"fuse", "fuse.kernel", "fuse.protocol", "fuse.ops", "fuse.session"}),
     ("job side", {"hintclient", "mounttable", "torch", "pipeline", "diagnose"}),
     ("tiers and sources", {"tiers", "tiers.layout", "tiers.index", "tiers.store", "tiers.memory", "tiers.disk",
                            "tiers.shared", "tiers.multilevel", "tiers.build", "source", "memsource"}),
@@ -21,7 +21,7 @@ LAYERS = [
     ("core parts", {"metadata", "blockpath", "fetcher", "fills", "dirahead"}),
     ("core", {"core"}),
     ("features", {"hints", "warm", "coverage", "control", "metrics"}),
-    ("file system", {"fs"}),
+    ("file system", {"nodes", "fs"}),
     ("daemon and command line", {"daemon", "validate", "mount", "watch", "options", "cli", "mounthelper",
                                  "__main__"}),
 ]
@@ -40,7 +40,12 @@ def _imports() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for path in SRC.rglob("*.py"):
         deps = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                       and ast.unparse(block.test) == "TYPE_CHECKING" for n in ast.walk(block)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:  # annotations only: no import at run time
+                continue
             names = []
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 # `from cachefs.fuse import protocol` imports the module cachefs.fuse.protocol
@@ -108,3 +113,20 @@ def test_the_layer_order_is_the_one_the_design_doc_draws():
         for module in modules - {"__init__", "tiers", "fuse", "__main__"}:
             leaf = module.split(".")[-1]
             assert f"{leaf}.py" in row, f"docs/design.md does not put {module} in the layer {name!r}"
+
+
+def test_modules_and_functions_stay_small_or_say_why():
+    """No module over 600 lines; a function over 60 lines has its reason in a comment
+    right above it ("Long (N lines) for a reason: ...")."""
+    big = [f"{p.relative_to(ROOT)}: {n} lines" for p in SRC.rglob("*.py")
+           if (n := len(p.read_text().splitlines())) > 600]
+    assert not big, "\n".join(big)
+    unexplained = []
+    for path in SRC.rglob("*.py"):
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 60:
+                above = "\n".join(lines[max(0, node.lineno - 4):node.lineno - 1])
+                if "for a reason:" not in above:
+                    unexplained.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    assert not unexplained, "\n".join(unexplained)

@@ -10,7 +10,7 @@ from cachefs.config import Config
 from cachefs.fs import CachefsFS
 from cachefs.fuse import FuseError
 from cachefs.fuse import protocol as p
-from cachefs.fuse.session import Request
+from cachefs.fuse.ops import Request
 from cachefs.memsource import MemorySource
 from tests.helpers import make_core
 
@@ -79,7 +79,7 @@ def test_a_file_that_keeps_failing_is_logged_once_and_counted_each_time(caplog):
 
 
 def test_the_error_log_warns_once_an_hour_per_path_and_caps_each_kind(clock):
-    from cachefs.fs import ErrorLog
+    from cachefs.nodes import ErrorLog
 
     elog = ErrorLog(max_paths=50, per_kind=10, window=3600, clock=clock)
     W, D = logging.WARNING, logging.DEBUG

@@ -74,3 +74,16 @@ def test_metrics_addr_defaults_to_loopback(text, expected):
 def test_bad_metrics_addr_is_refused(bad):
     with pytest.raises(ValueError):
         parse_metrics_addr(bad)
+
+
+def test_the_tiers_counters_also_carry_the_tier_as_a_label():
+    s = Stats()
+    s.add_many({"ram.hits": 7, "disk.hits": 2, "shared.hits": 1, "disk.misses": 5,
+                "ram.served_bytes": 700, "source.served_bytes": 30})
+    families, _ = scrape(s)
+    assert sample(families, "cachefs_tier_hits_total", tier="ram") == 7
+    assert sample(families, "cachefs_tier_hits_total", tier="disk") == 2
+    assert sample(families, "cachefs_tier_hits_total", tier="shared") == 1
+    assert sample(families, "cachefs_tier_misses_total", tier="disk") == 5
+    assert sample(families, "cachefs_tier_served_bytes_total", tier="source") == 30
+    assert sample(families, "cachefs_ram_hits_total") == 7  # the per-section name stays

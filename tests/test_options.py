@@ -41,6 +41,12 @@ def test_the_readme_table_lists_every_option_and_no_other():
     assert named - {"-v", "-vv", "-f"} <= {o.long for o in MOUNT_OPTIONS}, "README names an option that does not exist"
 
 
+def test_the_configuration_doc_explains_every_option():
+    text = (README.parent / "docs" / "configuration.md").read_text()
+    missing = [o.long for o in MOUNT_OPTIONS if f"`{o.long}" not in text]
+    assert not missing, f"docs/configuration.md does not explain {missing}"
+
+
 def test_a_command_line_becomes_the_config_it_says():
     args = _mount_parser().parse_args(["/src", "/mnt", "--ram-size", "2GiB", "--open-per-handle", "--readahead", "file",
                                        "--shared-cache", "memcached://a:1", "-vv", "--check"])

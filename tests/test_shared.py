@@ -202,3 +202,31 @@ def test_two_nodes_over_one_tier_the_second_reads_nothing_from_its_source():
     assert b.stats.get("shared.hits") == 25 and b.stats.get("shared.served_bytes") == sum(map(len, files.values()))
     for _, core in nodes:
         core.close()
+
+
+def test_a_file_a_fetch_process_fills_on_its_own_is_shared_too(tmp_path):
+    """Small files filled one at a time by a fetch process (their attributes were not known
+    for a batch) went to the NVMe tier and never to the shared tier: only batches, whose
+    fetch process stores in the shared tier itself, were shared."""
+    from cachefs.fetcher import Fetchers
+    from cachefs.source import LocalSource
+    from cachefs.tiers.disk import DiskTier
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.jpg").write_bytes(os.urandom(20_000))
+    server, stats = FakeServer(), Stats()
+    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, stats, scrub=False)
+    core = make_core(LocalSource(str(src)), disk=disk, block_size=1 << 20, stats=stats,
+                     shared=tier([server], block_size=1 << 20, stats=stats))
+    core.hooks.connect(passthrough=True)
+    # the fetch process's own shared tier answers nothing (no server there): only the
+    # daemon's can store the file
+    core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, 1 << 20, processes=1, channels=1,
+                               shared="memcached://127.0.0.1:9", shared_namespace="ds"))
+    try:
+        assert core.prefetch_small("/a.jpg") == ("fetched", 20_000)
+        assert core.cache.drain_shared(10)
+        assert stats.get("shared.puts") == 1 and len(server.items) == 1
+    finally:
+        core.close()

@@ -39,6 +39,7 @@ def _parse_shard(text: str) -> tuple[int, int]:
     return int(rank), int(world)
 
 
+# Long (63 lines) for a reason: the commands' arguments, declared in one place in --help order.
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="cachefs", description="A read-only FUSE cache (RAM + NVMe) in front of slow storage.")
     p.add_argument("--version", action="version", version=f"cachefs {__version__}")

@@ -61,6 +61,8 @@ def source_namespace(source_root: str) -> bytes:
 
 
 class Core:
+    # Long (74 lines) for a reason: the one place the parts are wired, in the order they
+    # depend on each other; its length is their number.
     def __init__(
         self,
         source: Source,

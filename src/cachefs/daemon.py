@@ -164,6 +164,8 @@ def _limit_malloc_arenas() -> None:
         pass
 
 
+# Long (69 lines) for a reason: the daemon's life in order (build, mount, serve, tear down)
+# under one try/finally, so that every exit path releases what was made.
 def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     """Build the stack, mount, and serve until unmounted or told to stop (blocks).
 

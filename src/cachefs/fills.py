@@ -193,12 +193,13 @@ class SmallFills:
         claims = [claim for _, claim in batch]
         rooms = [[c.fid.size] for c in claims]
         with self._owning(claims):
+            shared_done = False  # the fetch process stored what it read in the shared tier
             try:
                 try:
                     got = self._guard.call("stat", fetchers.fill_many,
                                            [Fill(c.fid.path, self.block_size, c.fid) for c in claims],
                                            self._guard.timeout or None)
-                    replies = got.replies
+                    replies, shared_done = got.replies, fetchers.shared
                     if got.counts:
                         self._stats.add_many(got.counts)  # what the fetch process counted of the shared tier
                 except FetchUnavailable:
@@ -209,7 +210,7 @@ class SmallFills:
                     if reply.attr is None and reply.kind in (STORED, EXISTS, UNSTORED):  # from the shared tier
                         known = self._meta.last_known(c.fid.path)
                         reply = reply._replace(attr=known) if known is not None else Filled(ERROR)
-                    out[i] = self._fetched(c.fid.path, c.key, reply, room)
+                    out[i] = self._fetched(c.fid.path, c.key, reply, room, shared_done)
             finally:
                 for room in rooms:
                     if room[0]:
@@ -218,9 +219,12 @@ class SmallFills:
 
     # -- what comes back ----------------------------------------------------------------------
 
-    def _fetched(self, path: str, key: BlockKey | None, reply: Filled, room: list[int] | None) -> Outcome:
+    def _fetched(self, path: str, key: BlockKey | None, reply: Filled, room: list[int] | None,
+                 shared_done: bool = False) -> Outcome:
         """What a fill does with the answer: cache the attributes, adopt or store the file
-        (handing the held `room` to the admission), count."""
+        (handing the held `room` to the admission), count, and queue what came from the
+        source for the shared tier (unless `shared_done`: a batch whose fetch process
+        stored it there itself)."""
         kind = reply.kind
         if kind == CHANGED:
             self._stats.incr("source.changed")
@@ -262,8 +266,7 @@ class SmallFills:
             self._stats.incr("prefetch.no_room")
             return "no_room", 0
         self._stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": attr.size})
-        if cache.shares and not from_shared and not self.batches_shared:
-            # what came from the source is shared (a fetch process with a shared tier did it)
+        if cache.shares and not from_shared and not shared_done:
             cache.share(key, reply.data if kind == READ else None, info, wait=share_wait())
         return "fetched", attr.size
 

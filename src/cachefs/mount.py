@@ -18,6 +18,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from typing import NoReturn
 
 import psutil
 
@@ -81,24 +82,32 @@ def _mount(config: Config, out: Callable[[str], None], check_only: bool, lock: i
     prepare_cache_dir(config)
     if config.log_file is None and not config.foreground:
         config.log_file = default_log_file(config)
-
     if config.foreground:
-        setup_logging(max(config.verbose, 1 if config.debug_fuse else 0), config.log_file)
+        return _serve_here(config, out, lock, summary)
+    return _start_daemon(config, out, lock, summary)
 
-        def ready() -> None:
-            if lock is not None:
-                fcntl.flock(lock, fcntl.LOCK_UN)  # mounted: another mount now finds a mount point
-            out(f"cachefs: mounted {summary}; Ctrl-C to unmount")
-            sd_notify(f"READY=1\nSTATUS=serving {config.source} at {config.mountpoint}")
 
-        try:
-            serve(config, on_ready=ready)
-        except (OSError, RuntimeError) as exc:
-            log.debug("%s", traceback.format_exc())
-            print(f"cachefs: error: mount failed: {exc}", file=sys.stderr)
-            return 1
-        return 0
+def _serve_here(config: Config, out: Callable[[str], None], lock: int | None, summary: str) -> int:
+    """--foreground: serve in this process until unmounted."""
+    setup_logging(max(config.verbose, 1 if config.debug_fuse else 0), config.log_file)
 
+    def ready() -> None:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_UN)  # mounted: another mount now finds a mount point
+        out(f"cachefs: mounted {summary}; Ctrl-C to unmount")
+        sd_notify(f"READY=1\nSTATUS=serving {config.source} at {config.mountpoint}")
+
+    try:
+        serve(config, on_ready=ready)
+    except (OSError, RuntimeError) as exc:
+        log.debug("%s", traceback.format_exc())
+        print(f"cachefs: error: mount failed: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _start_daemon(config: Config, out: Callable[[str], None], lock: int | None, summary: str) -> int:
+    """Fork the daemon, and wait until it says the mount is live (or why it is not)."""
     assert config.log_file is not None
     try:
         log_start = os.path.getsize(config.log_file)  # what this mount adds to the log starts here
@@ -106,54 +115,12 @@ def _mount(config: Config, out: Callable[[str], None], check_only: bool, lock: i
         log_start = 0
     rfd, wfd = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the daemon
+    if pid == 0:
         os.close(rfd)
-        if lock is not None:
-            os.close(lock)  # the caller's lock, released when the mount is live
-        code = 1
-        try:
-            os.setsid()
-            os.chdir("/")  # do not keep the caller's directory (and its file system) busy
-            devnull = os.open(os.devnull, os.O_RDWR)
-            os.dup2(devnull, 0)
-            os.close(devnull)
-            assert config.log_file is not None
-            logfd = os.open(config.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            os.dup2(logfd, 1)
-            os.dup2(logfd, 2)
-            os.close(logfd)
-            setup_logging(max(config.verbose, 1 if config.debug_fuse else 0), config.log_file)
-
-            def ready() -> None:
-                os.write(wfd, b"OK\n")
-                os.close(wfd)
-
-            serve(config, on_ready=ready)
-            code = 0
-        except BaseException as exc:
-            log.error("daemon failed: %s", exc)
-            log.debug("%s", traceback.format_exc())
-            try:
-                os.write(wfd, f"ERR {exc}\n".encode())  # fails harmlessly if ready() closed it
-            except OSError:
-                pass
-        finally:
-            os._exit(code)
-
+        _daemon(config, lock, wfd)  # never returns
     os.close(wfd)
     deadline = time.monotonic() + MOUNT_READY_TIMEOUT
-    message = b""
-    while time.monotonic() < deadline:
-        readable, _, _ = select.select([rfd], [], [], 0.2)
-        if readable:
-            chunk = os.read(rfd, 4096)
-            if not chunk:
-                break
-            message += chunk
-            if message.endswith(b"\n"):
-                break
-    os.close(rfd)
-    text = message.decode(errors="replace").strip()
+    text = _read_ready(rfd, deadline)
     if text == "OK" and _wait_live(config.mountpoint, pid):
         out(f"cachefs: mounted {summary} (daemon pid {pid}, log {config.log_file})")
         return 0
@@ -172,6 +139,59 @@ def _mount(config: Config, out: Callable[[str], None], check_only: bool, lock: i
             pass
     print(f"cachefs: error: mount failed: {text.removeprefix('ERR ')} (log: {config.log_file})", file=sys.stderr)
     return 1
+
+
+def _daemon(config: Config, lock: int | None, wfd: int) -> NoReturn:
+    """The forked daemon: detach, log to the log file, serve; tell the parent "OK" once
+    mounted, or "ERR why" if it could not mount."""
+    if lock is not None:
+        os.close(lock)  # the caller's lock, released when the mount is live
+    code = 1
+    try:
+        os.setsid()
+        os.chdir("/")  # do not keep the caller's directory (and its file system) busy
+        devnull = os.open(os.devnull, os.O_RDWR)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        assert config.log_file is not None
+        logfd = os.open(config.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(logfd, 1)
+        os.dup2(logfd, 2)
+        os.close(logfd)
+        setup_logging(max(config.verbose, 1 if config.debug_fuse else 0), config.log_file)
+
+        def ready() -> None:
+            os.write(wfd, b"OK\n")
+            os.close(wfd)
+
+        serve(config, on_ready=ready)
+        code = 0
+    except BaseException as exc:
+        log.error("daemon failed: %s", exc)
+        log.debug("%s", traceback.format_exc())
+        try:
+            os.write(wfd, f"ERR {exc}\n".encode())  # fails harmlessly if ready() closed it
+        except OSError:
+            pass
+    finally:
+        os._exit(code)
+
+
+def _read_ready(rfd: int, deadline: float) -> str:
+    """The daemon's one line ("OK", "ERR why"), or "" if it closed the pipe or the
+    deadline passed first."""
+    message = b""
+    while time.monotonic() < deadline:
+        readable, _, _ = select.select([rfd], [], [], 0.2)
+        if readable:
+            chunk = os.read(rfd, 4096)
+            if not chunk:
+                break
+            message += chunk
+            if message.endswith(b"\n"):
+                break
+    os.close(rfd)
+    return message.decode(errors="replace").strip()
 
 
 def _last_error_line(log_file: str | None, start: int) -> str:

@@ -81,11 +81,32 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
     Writes nothing, except (only once every other check has passed) clearing a stale
     cachefs mount left at the mount point by a dead daemon, which the notices report,
     and creating the cache dir. With `check_only` (`cachefs mount --check`, `mount -f`)
-    it writes nothing at all and says what it would do.
+    it writes nothing at all and says what it would do. The checks run in this order, so
+    that the first problem a user meets is the one reported.
     """
-    notices: list[str] = []
     # Relative paths are the caller's: resolve them before anything (the daemon runs in /).
     config.cache_dir = os.path.abspath(os.path.expanduser(config.cache_dir))
+    src = _checked_source(config)
+    mp, stale = _checked_mount_point(config, src)
+    cache = _checked_cache_dir(config, src, mp)
+    _check_log_file(config, src, mp, cache)
+    _check_extras(config)
+    _check_numbers(config, src)
+    notices = _checked_budgets(config, cache)
+    _check_fuse(config)
+    notices += _prepared_mount_point(config, mp, stale, check_only)
+    if check_only:
+        parent = _nearest_existing(cache)
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise CachefsError(f"cache dir {cache} is not writable: {parent} is not writable by this user")
+    else:
+        _probe_cache_dir(cache)  # last: it creates the cache dir
+    config.source, config.mountpoint, config.cache_dir = src, mp, cache
+    return notices
+
+
+def _checked_source(config: Config) -> str:
+    """The source's real path, once it is a directory this user can read."""
     src = os.path.abspath(config.source)
     try:
         os.stat(src)
@@ -103,6 +124,11 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         raise CachefsError(f"source {config.source!r} is not readable by this user")
     src = os.path.realpath(src)
 
+    return src
+
+
+def _checked_mount_point(config: Config, src: str) -> tuple[str, bool]:
+    """The mount point's path, and whether a dead cachefs mount sits on it."""
     state, mp = probe(config.mountpoint)
     if state == "hung":
         raise hung_mount(mp)
@@ -117,6 +143,10 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
     if _inside(src, mp):
         raise CachefsError(f"source {src} is inside the mount point {mp}: the mount would hide it")
 
+    return mp, stale
+
+
+def _checked_cache_dir(config: Config, src: str, mp: str) -> str:
     cache = os.path.realpath(os.path.abspath(config.cache_dir))
     if _inside(cache, src):
         raise CachefsError(f"cache dir {cache} is inside the source {src}: cachefs never writes to the source")
@@ -128,6 +158,10 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         if os.stat(cache).st_uid != os.getuid():
             raise CachefsError(f"cache dir {config.cache_dir!r} belongs to another user; "
                                "it holds copies of data, so cachefs only uses its own")
+    return cache
+
+
+def _check_log_file(config: Config, src: str, mp: str, cache: str) -> None:
     if config.log_file is not None:
         log_file = os.path.realpath(os.path.abspath(config.log_file))
         if _inside(log_file, src) or _inside(log_file, mp):
@@ -140,6 +174,10 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         if not _inside(parent, cache) and not (os.path.isdir(parent) and os.access(parent, os.W_OK | os.X_OK)):
             raise CachefsError(f"cannot write the log file {config.log_file!r}: {parent} is not a writable directory")
         config.log_file = log_file
+
+
+def _check_extras(config: Config) -> None:
+    """Options that need a package cachefs does not require."""
     if config.shared_cache:
         try:
             import pymemcache  # noqa: F401 - only whether it is there
@@ -153,6 +191,10 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
             raise CachefsError("--metrics-addr needs prometheus-client in cachefs's environment: "
                                "pip install prometheus-client") from None
         _check_port_free(config.metrics_addr)
+
+
+def _check_numbers(config: Config, src: str) -> None:
+    """Values each option must hold, and the defaults that depend on the machine."""
     if not 4096 <= config.block_size <= 256 << 20 or config.block_size % 4096:
         raise CachefsError(f"block size {config.block_size} must be a multiple of 4 KiB between 4 KiB and 256 MiB")
     if config.metadata_ttl < 0 or config.negative_ttl < 0:
@@ -171,6 +213,11 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         raise CachefsError(f"--fetch-processes {config.fetch_processes} must be between 0 and 64")
     if config.warm and config.prefetch_workers == 0:
         raise CachefsError("--warm needs --prefetch-workers of at least 1")
+
+
+def _checked_budgets(config: Config, cache: str) -> list[str]:
+    """The tiers' budgets against this machine's memory and cache disk; notices."""
+    notices: list[str] = []
     resolve_sizes(config)
     assert config.ram_size is not None and config.disk_size is not None
     total = psutil.virtual_memory().total
@@ -204,6 +251,11 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         notices.append(f"warning: {other} uses this cache dir too: each daemon counts the other's files "
                        "only from its next start, so together they can exceed --disk-size (give each "
                        "mount its own --cache-dir)")
+    return notices
+
+
+def _check_fuse(config: Config) -> None:
+    """What mounting needs from this machine: /dev/fuse, fusermount3, fuse.conf."""
     if config.allow_other and os.getuid() != 0 and not _user_allow_other():
         raise CachefsError("--allow-other needs 'user_allow_other' in /etc/fuse.conf (or root)")
     if not os.path.exists("/dev/fuse"):
@@ -215,6 +267,12 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         raise CachefsError("fusermount3 not found: mounting as a user other than root needs it "
                            "(install the fuse3 package: apt-get install fuse3)")
 
+
+
+def _prepared_mount_point(config: Config, mp: str, stale: bool, check_only: bool) -> list[str]:
+    """Clear a stale cachefs mount (unless `check_only`), then check the mount point is an
+    empty directory that is not mounted; notices."""
+    notices: list[str] = []
     if stale and check_only:
         notices.append(f"would clear a stale cachefs mount at {mp} (its daemon had died)")
     elif stale:
@@ -232,14 +290,6 @@ def validate(config: Config, check_only: bool = False) -> list[str]:
         raise CachefsError(f"{mp} is already a mount point{what}")
     if not stale and os.listdir(mp):
         raise CachefsError(f"mount point {config.mountpoint!r} is not empty")
-    if check_only:
-        parent = _nearest_existing(cache)
-        if not os.access(parent, os.W_OK | os.X_OK):
-            raise CachefsError(f"cache dir {cache} is not writable: {parent} is not writable by this user")
-    else:
-        _probe_cache_dir(cache)  # last: it creates the cache dir
-
-    config.source, config.mountpoint, config.cache_dir = src, mp, cache
     return notices
 
 

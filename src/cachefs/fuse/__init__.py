@@ -6,17 +6,8 @@ and a binding through ctypes costs about a millisecond of CPU per file.
 """
 
 from cachefs.fuse.kernel import MountError, mount, unmount
-from cachefs.fuse.session import (
-    Connection,
-    DirItem,
-    Entry,
-    FuseError,
-    Opened,
-    Operations,
-    Request,
-    Session,
-    StatFs,
-)
+from cachefs.fuse.ops import Connection, DirItem, Entry, FuseError, Opened, Operations, Request, StatFs
+from cachefs.fuse.session import Session
 
 __all__ = ["Connection", "DirItem", "Entry", "FuseError", "MountError", "Opened", "Operations", "Request",
            "Session", "StatFs", "mount", "unmount"]

@@ -329,6 +329,8 @@ class DiskTier(FileStore):
             self._unwritten = bytearray()  # the snapshot holds what they said
             self._log_bytes = self._live_bytes = len(data)
 
+    # Long (84 lines) for a reason: one pass replays the index log in order; split, its
+    # state (entries, blocks seen, damage) would travel between the pieces.
     def _load(self) -> None:
         """Rebuild the tier from its index: entries and blocks, oldest first into the
         policy; blocks recorded after the last clean stop are marked for checking; files

@@ -1,0 +1,301 @@
+"""What the file system keeps per kernel node (cachefs/fs.py is the file system itself):
+
+  - `Nodes`: node ids <-> source paths, and the file version each regular file's node
+    stands for (a node is one version: a file changed on the source gets a new node);
+  - `NodeLocks`: the opens and releases of one node, one at a time;
+  - `NodeOpen` and `Backings`: how a node's open files are served (passthrough through
+    one backing file, or by the daemon), and the backing ids registered with the kernel;
+  - `ErrorLog`: which failures get a warning line, bounded.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import errno
+import itertools
+import logging
+import os
+import stat as stat_mod
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from cachefs.fuse import protocol as p
+from cachefs.fuse.ops import FuseError
+from cachefs.fuse.session import Session
+from cachefs.identity import Attr, FileId
+from cachefs.tiers.multilevel import Backing
+
+log = logging.getLogger(__name__)
+
+
+class ErrorLog:
+    """Which failures get a warning line. A job that retries a bad file every epoch, or a
+    directory of a million files it may not read, must not flood the log: each (operation,
+    path, errno) is warned about once an hour, at most `per_kind` different paths per
+    (operation, errno) an hour, and then one line says the rest are only counted. Every
+    failure is counted (fuse.errors) and logged at debug level. Memory is bounded: the
+    paths are remembered least recently warned first out."""
+
+    def __init__(self, max_paths: int = 10_000, per_kind: int = 100, window: float = 3600.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.max_paths, self.per_kind, self.window, self._clock = max_paths, per_kind, window, clock
+        self._warned: collections.OrderedDict[tuple[str, str | None, int], float] = collections.OrderedDict()
+        self._kinds: dict[tuple[str, int], tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def level(self, op: str, path: str | None, code: int) -> tuple[int, str | None]:
+        """The level to log this failure at, and a summary line to log once as well."""
+        now = self._clock()
+        key = (op, path, code)
+        with self._lock:
+            last = self._warned.get(key)
+            if last is not None and now - last < self.window:
+                return logging.DEBUG, None
+            start, count = self._kinds.get((op, code), (now, 0))
+            if now - start >= self.window:
+                start, count = now, 0
+            self._kinds[(op, code)] = (start, count + 1)
+            if count >= self.per_kind:
+                summary = (f"{op}: more than {self.per_kind} files failed with {errno.errorcode.get(code, code)} "
+                           f"within {self.window / 3600:g}h; the rest are counted in fuse.errors and logged "
+                           "at debug level (-vv)") if count == self.per_kind else None
+                return logging.DEBUG, summary
+            self._warned[key] = now
+            self._warned.move_to_end(key)
+            while len(self._warned) > self.max_paths:
+                self._warned.popitem(last=False)
+            return logging.WARNING, None
+
+
+class NodeLocks:
+    """A lock per node while opens or releases of it are in progress: the opens of one node
+    are served one at a time (see _open_passthrough), and those of different nodes never
+    wait for each other. (Striped locks made 30 readers of different uncached files wait
+    on each other's fetches from a stopped source.) A thread that must wait gives its
+    place as a request reader to another (`blocking`), so waiting opens never stop the
+    session from reading the kernel's requests."""
+
+    def __init__(self) -> None:
+        self._locks: dict[int, list[Any]] = {}  # node id -> [lock, threads holding or waiting]
+        self._mutex = threading.Lock()
+
+    @contextlib.contextmanager
+    def hold(self, nodeid: int, blocking: Callable[[], contextlib.AbstractContextManager[None]]) -> Iterator[None]:
+        """The node's lock; `blocking()` is entered around a wait for it."""
+        with self._mutex:
+            entry = self._locks.get(nodeid)
+            if entry is None:
+                entry = self._locks[nodeid] = [threading.Lock(), 0]
+            entry[1] += 1
+        lock: threading.Lock = entry[0]
+        try:
+            if not lock.acquire(blocking=False):
+                with blocking():
+                    lock.acquire()
+            try:
+                yield
+            finally:
+                lock.release()
+        finally:
+            with self._mutex:
+                entry[1] -= 1
+                if not entry[1]:
+                    del self._locks[nodeid]
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+
+class NodeOpen:
+    """How the open files of one node are served: through one backing file (passthrough),
+    or by the daemon (backing_id 0)."""
+
+    __slots__ = ("backing", "backing_id", "eid", "fid", "refs")
+
+    def __init__(self, fid: FileId):
+        self.fid = fid
+        self.refs = 1
+        self.backing_id = 0
+        self.backing: Backing | None = None  # the cached file, held while the node is open
+        self.eid = b""
+
+
+class Backings:
+    """Backing files registered with the kernel (FUSE_DEV_IOC_BACKING_OPEN), by entry. One
+    stays registered after the last open of its file closes (up to BACKING_CACHE idle ones,
+    the least recently used closed first): registering cost an open about 35 us of CPU, and
+    the next epoch opens the same files again. Each registered file is held in its tier
+    (acquire), so no hole is punched under the kernel; when a tier drops the entry anyway,
+    its id is closed at once, or at its last close."""
+
+    def __init__(self, session: Session, limit: int):
+        self._session = session
+        self._limit = limit
+        self._ids: dict[bytes, list] = {}  # eid -> [backing id, the held Backing, opens, doomed]
+        self._idle: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, backing: Backing) -> int:
+        """A backing id for the cached file, counted as one more open. OSError if the
+        kernel refuses it."""
+        eid = backing.eid
+        with self._lock:
+            rec = self._ids.get(eid)
+            if rec is not None and not rec[3]:
+                rec[2] += 1
+                self._idle.pop(eid, None)
+                return int(rec[0])
+        fd = os.open(backing.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            backing_id = self._session.backing_open(fd)
+        finally:
+            os.close(fd)
+        backing.hold()
+        with self._lock:
+            rec = self._ids.get(eid)
+            if rec is None or rec[3]:
+                self._ids[eid] = [backing_id, backing, 1, False]
+                return backing_id
+            rec[2] += 1  # registered by another open meanwhile: use that one
+            self._idle.pop(eid, None)
+        self._close(backing_id, backing)
+        return int(rec[0])
+
+    def put(self, eid: bytes) -> None:
+        """An open of the entry's file closed."""
+        closing = []
+        with self._lock:
+            rec = self._ids.get(eid)
+            if rec is None:
+                return
+            rec[2] -= 1
+            if rec[2] > 0:
+                return
+            if rec[3]:
+                del self._ids[eid]
+                closing.append((eid, rec))
+            else:
+                self._idle[eid] = None
+                while len(self._idle) > self._limit:
+                    old, _ = self._idle.popitem(last=False)
+                    closing.append((old, self._ids.pop(old)))
+        for _, r in closing:
+            self._close(r[0], r[1])
+
+    def dropped(self, eid: bytes) -> None:
+        """The tier dropped the entry: close its id now, or at its last close."""
+        with self._lock:
+            rec = self._ids.get(eid)
+            if rec is None:
+                return
+            if rec[2] > 0:
+                rec[3] = True
+                return
+            del self._ids[eid]
+            self._idle.pop(eid, None)
+        self._close(rec[0], rec[1])
+
+    def _close(self, backing_id: int, backing: Backing) -> None:
+        try:
+            self._session.backing_close(backing_id)
+        except OSError as exc:
+            log.debug("closing backing id %d failed: %s", backing_id, exc)
+        backing.release()
+
+    def close_all(self) -> None:
+        with self._lock:
+            recs, self._ids = self._ids, {}
+            self._idle.clear()
+        for rec in recs.values():
+            self._close(rec[0], rec[1])
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
+def version_of(attr: Attr) -> tuple[int, int, int, int, str]:
+    """What makes two stats of a regular file the same version (as FileId, with the type)."""
+    return stat_mod.S_IFMT(attr.mode), attr.size, attr.mtime_ns, attr.ctime_ns, attr.version
+
+
+class Nodes:
+    """Node ids the kernel holds, and the source path of each. A lookup adds one reference,
+    FORGET takes them away; a node without references is forgotten here too. The root is
+    node 1 and always known.
+
+    A regular file's node is one version of it: a lookup that finds the file changed on the
+    source (size, mtime or ctime) gets a new node id, and the old node keeps the version it
+    was looked up as. The kernel keys its page cache, its open files and its mappings by
+    node, so an old descriptor or mapping never meets a page of the new version, and a new
+    open never meets a page of the old one (the kernel itself compares only size and
+    mtime)."""
+
+    def __init__(self) -> None:
+        self._paths: dict[int, str] = {p.ROOT_ID: "/"}
+        self._ids: dict[str, int] = {"/": p.ROOT_ID}
+        self._refs: dict[int, int] = {}
+        self._versions: dict[int, Attr] = {}  # node id -> the file version it stands for
+        self._next = itertools.count(p.ROOT_ID + 1)
+        self._lock = threading.Lock()
+
+    def path(self, nodeid: int) -> str:
+        try:
+            return self._paths[nodeid]
+        except KeyError:
+            raise FuseError(errno.ESTALE, f"unknown node {nodeid}") from None
+
+    def version(self, nodeid: int) -> Attr | None:
+        """The attributes of the file version this node stands for (regular files only)."""
+        return self._versions.get(nodeid)
+
+    def child(self, parent: int, name: bytes) -> str:
+        if not name or b"/" in name or name in (b".", b".."):
+            raise FuseError(errno.EINVAL if name not in (b".", b"..") else errno.ENOENT)
+        base = self.path(parent)
+        return (base if base != "/" else "") + "/" + os.fsdecode(name)
+
+    def add(self, path: str, attr: Attr | None = None) -> int:
+        """The node id of `path` as `attr` describes it, with one more reference from the
+        kernel: a new id when a regular file is not the version its node stands for."""
+        with self._lock:
+            nodeid = self._ids.get(path)
+            if nodeid is not None and attr is not None:
+                known = self._versions.get(nodeid)
+                if (known is not None or attr.is_file) and nodeid != p.ROOT_ID and (
+                        known is None or version_of(known) != version_of(attr)):
+                    nodeid = None  # another version: the old node stays with its holders
+            if nodeid is None:
+                nodeid = next(self._next)
+                self._ids[path] = nodeid
+                self._paths[nodeid] = path
+            if attr is not None and attr.is_file:
+                self._versions[nodeid] = attr
+            if nodeid != p.ROOT_ID:
+                self._refs[nodeid] = self._refs.get(nodeid, 0) + 1
+            return nodeid
+
+    def id_of(self, path: str) -> int | None:
+        return self._ids.get(path)
+
+    def forget(self, nodeid: int, count: int) -> None:
+        with self._lock:
+            left = self._refs.get(nodeid, 0) - count
+            if left > 0:
+                self._refs[nodeid] = left
+                return
+            self._refs.pop(nodeid, None)
+            self._versions.pop(nodeid, None)
+            path = self._paths.pop(nodeid, None) if nodeid != p.ROOT_ID else None
+            if path is not None and self._ids.get(path) == nodeid:
+                del self._ids[path]
+
+    def __len__(self) -> int:
+        return len(self._paths)
+
+
+def to_fuse_attr(attr: Attr) -> p.Attr:
+    return p.Attr(attr.ino or 1, attr.mode, attr.nlink, attr.uid, attr.gid, attr.size, attr.atime_ns,
+                  attr.mtime_ns, attr.ctime_ns, attr.blocks, attr.rdev)
