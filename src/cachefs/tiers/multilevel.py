@@ -304,15 +304,11 @@ class MultiLevelCache:
     def acquire_backing(self, eid: bytes) -> Backing | None:
         """The file version's complete copy, RAM first, held until released; None if no
         tier has it whole (or its check after a restart fails)."""
-        for tier in self._local:
-            path = tier.backing_file(eid, acquire=True)
-            if path is not None:
-                return Backing(tier, path, eid)
-        return None
+        return self._backing(eid, acquire=True)
 
-    def _backing(self, eid: bytes) -> Backing | None:
+    def _backing(self, eid: bytes, acquire: bool = False) -> Backing | None:
         for tier in self._local:
-            path = tier.backing_file(eid)
+            path = tier.backing_file(eid, acquire)
             if path is not None:
                 return Backing(tier, path, eid)
         return None
