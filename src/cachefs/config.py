@@ -1,4 +1,11 @@
-"""Configuration: every default in one place, with its unit and the reason for it."""
+"""Configuration: every default and tuning constant in one place, with its unit and the
+reason for it; the daemon's parts' constants are grouped by part at the end.
+
+Not here, on purpose: the cache policy's parameters (cachefs/policy.py: they are the
+algorithm, shared with tools/simulate.py), facts of the kernel's and the formats'
+interfaces (fuse/protocol.py, the index and shared-tier item layouts), and the job-side
+helpers' own (diagnose, hintclient), which must not import the daemon's configuration.
+The options of `cachefs mount` are declared in cachefs/options.py."""
 
 from __future__ import annotations
 

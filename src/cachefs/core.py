@@ -165,12 +165,14 @@ class Core:
         return self.guard.down
 
     def close(self) -> None:
-        self.metadata.close()
+        self.metadata.stop_checking()
         if self.prefetcher is not None:
             self.prefetcher.stop()
         if self.fills.fetchers is not None:
             self.fills.fetchers.close()
+        self.cache.close_shared()  # puts still queued are dropped: only a lost chance to share
         self.guard.close()
+        self.metadata.close()
         self.cache.close()
 
 

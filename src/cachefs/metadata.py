@@ -437,6 +437,10 @@ class Metadata:
         attr = self._attrs.get_stale(path)
         return attr if isinstance(attr, Attr) else None
 
-    def close(self) -> None:
+    def stop_checking(self) -> None:
+        """Stop the restart check's thread (first, at shutdown)."""
         self._to_check.put("")
+
+    def close(self) -> None:
+        """Shut the stat pool (once the prefetch pool, which may list through it, stopped)."""
         self._stat_pool.shutdown(wait=False, cancel_futures=True)  # a hung stat stays hung

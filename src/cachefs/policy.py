@@ -176,26 +176,26 @@ class Policy:
         """Make room for `key` and record it; returns the victims the tier must drop, or
         None if the block is refused. With evict=False (read-ahead, warming) only free room
         is used: a guess never pushes out cached data."""
-        return self._admit(key, size, None if evict else 0)
+        return self._admit(key, size, evict, None)
 
     def admit_pinned(self, key: Hashable, size: int, pin_limit: int) -> list[Hashable] | None:
         """Admit a hinted block, pinned: room comes from stale entries, then unpinned ones
         oldest access first, whatever the policy. None (refused) if the pins would exceed
         `pin_limit` bytes or everything else is pinned."""
-        return self._admit(key, size, pin_limit)
+        return self._admit(key, size, True, pin_limit)
 
-    def _admit(self, key: Hashable, size: int, pin_limit: int | None) -> list[Hashable] | None:
-        """admit (pin_limit None: evict as the policy says; 0: never evict, a guess) and
-        admit_pinned (pin_limit > 0: evict oldest access first, then pin)."""
+    def _admit(self, key: Hashable, size: int, evict: bool, pin_limit: int | None) -> list[Hashable] | None:
+        """admit (pin_limit None) and admit_pinned (room taken oldest access first, then
+        pinned, within `pin_limit` bytes of pins)."""
         if key in self._entries:
             self.remove(key)  # a re-put replaces: refused, the key is not held at all
-        pinned = bool(pin_limit)
-        if size > self.capacity or (pinned and self.pinned_bytes + size > pin_limit):  # type: ignore[operator]
+        pinned = pin_limit is not None
+        if size > self.capacity or (pin_limit is not None and self.pinned_bytes + size > pin_limit):
             return None
         victims: list[Hashable] | None = []
         need = self.used + size - self.capacity
         if need > 0:
-            if pin_limit == 0:
+            if not evict:
                 return None
             victims = self._lru_victims(need) if pinned else self._victims(need)
             if victims is None:
@@ -204,7 +204,7 @@ class Policy:
                 self.remove(victim)
         self._entries[key] = (size, self._tick, self._clock())
         self.used += size
-        if pin_limit is not None:
+        if pinned or not evict:
             self._unread.add(key)  # fetched ahead or hinted: its first read is no reuse
         if pinned:
             self.pin(key)

@@ -386,9 +386,14 @@ class MultiLevelCache:
         """Wait until the blocks queued for the shared tier are stored."""
         return self.shared.drain(timeout) if self.shared is not None else True
 
-    def close(self) -> None:
+    def close_shared(self) -> None:
+        """Stop sharing (at shutdown, before the source's threads stop): puts still queued
+        are dropped, only a lost chance to share."""
         if self.shared is not None:
-            self.shared.close()  # puts still queued are dropped: only a lost chance to share
+            self.shared.close()
+
+    def close(self) -> None:
+        self.close_shared()
         if self.disk is not None:
             self.disk.close()
         self.ram.close()
