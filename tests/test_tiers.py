@@ -8,6 +8,7 @@ import random
 import shutil
 import stat
 import threading
+import time
 
 import pytest
 
@@ -585,3 +586,25 @@ def test_small_blocks_cost_their_bytes_on_disk_not_a_header_each(tmp_path):
                   for dp, _, names in os.walk(tmp_path / "store") for n in names)
     assert total <= on_disk <= total * 1.1 + (1 << 20), (total, on_disk)
     d.close()
+
+
+def test_the_scrub_passes_once_per_interval_and_not_at_all_with_0(tmp_path):
+    """The scrub went round the whole tier forever (an idle mount of small files spent
+    17-25% of a core on it); now it is one bounded pass per --scrub-interval, none with 0."""
+    for every, passes in ((0.2, True), (0.0, False)):
+        stats = Stats()
+        t = DiskTier(str(tmp_path / f"s{every}"), 8 << 20, stats, scrub_every=every)
+        try:
+            for i in range(3):
+                put(t, i, os.urandom(4096))
+            if passes:
+                deadline = time.monotonic() + 20
+                while stats.get("disk.scrub_passes") < 1:
+                    assert time.monotonic() < deadline, "no pass"
+                    time.sleep(0.05)
+                assert stats.get("disk.scrubbed_bytes") >= 3 * 4096
+            else:
+                time.sleep(1.5)  # the old loop started its next round after 1 s
+                assert stats.get("disk.scrub_passes") == 0 and stats.get("disk.scrubbed_bytes") == 0
+        finally:
+            t.close()

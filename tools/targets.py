@@ -7,6 +7,7 @@
     python tools/targets.py seq     [--size 1GiB] [--latency 2ms] [--bandwidth 300MB]
     python tools/targets.py random  [--size 1GiB] [--latency 2.4ms] [--bandwidth 110MB]
     python tools/targets.py walk    [--files 2000] [--flat 3200] [--latency 2ms] [--baseline DIR]
+    python tools/targets.py idle    [--files 20000] [--file-size 2048] [--seconds 30] [--baseline DIR]
 
 Every epoch reads an ImageFolder of JPEGs (tools/mkdataset.py) with 8 worker processes the
 way a DataLoader does (tools/epoch.py), with the page cache dropped before it (root), so
@@ -29,11 +30,16 @@ seq     one large file, read cold and warm from start to end in 128 KiB reads (c
 random  random 128 KiB reads of one large file on slowfs set up like an sshfs store, cold:
         directly and through cachefs; then py-lmdb with readahead=False over an LMDB of
         --lmdb-size on the same store, a full cold pass, directly and through cachefs.
+idle    a tree of --files small files (--file-size bytes, directories of 1,000) read once
+        through cachefs, a clean unmount, a new mount over the full cache, and then nothing:
+        the daemon's CPU (all its processes) over --seconds, as a share of one core, and
+        what its background work read meanwhile.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import math
 import os
@@ -492,17 +498,71 @@ def cmd_random(args: argparse.Namespace, work: str) -> dict:
     return {"medians": med, "runs": res, "lmdb_items": items}
 
 
+# -- idle ------------------------------------------------------------------------------------
+
+def _small_tree(work: str, files: int, size: int) -> str:
+    """`files` files of `size` bytes in directories of 1,000 (kept between runs)."""
+    root = os.path.join(work, f"small-{files}x{size}")
+    marker = os.path.join(root, ".made")
+    if os.path.exists(marker):
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    for i in range(files):
+        d = os.path.join(root, f"d{i // 1000:04d}")
+        if i % 1000 == 0:
+            os.makedirs(d)
+        with open(os.path.join(d, f"{i:07d}.jpg"), "wb") as f:
+            f.write(random.randbytes(size))
+    open(marker, "w").close()
+    return root
+
+
+def _read_tree(root: str, threads: int = 8) -> int:
+    paths = [os.path.join(d, n) for d, _, names in os.walk(root) for n in names]
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        return sum(pool.map(lambda path: len(open(path, "rb").read()), paths))
+
+
+def cmd_idle(args: argparse.Namespace, work: str) -> dict:
+    data = _small_tree(work, args.files, args.file_size)
+    mp = os.path.join(work, "mnt")
+    out: dict = {"files": args.files, "file_size": args.file_size, "seconds": args.seconds, "systems": {}}
+    rows = []
+    for name, opts, baseline in systems(args):
+        cache = os.path.join(work, f"cache-{name}")
+        shutil.rmtree(cache, ignore_errors=True)
+        print(f"{name}: filling the cache", file=sys.stderr)
+        with mounted(data, mp, cache, opts, baseline, ram=args.ram_size):
+            _read_tree(mp)
+        with mounted(data, mp, cache, opts, baseline, ram=args.ram_size) as proc:  # over the full cache
+            time.sleep(args.settle)
+            before = cachefs_stats(mp).get("disk", {}).get("scrubbed_bytes", 0)
+            c0, t0 = cpu(proc), time.monotonic()
+            time.sleep(args.seconds)
+            share = (cpu(proc) - c0) / (time.monotonic() - t0)
+            scrubbed = cachefs_stats(mp).get("disk", {}).get("scrubbed_bytes", 0) - before
+        out["systems"][name] = {"core_share": share, "scrubbed_bytes": scrubbed}
+        rows.append((f"cachefs {name}", f"{share * 100:.2f}%", f"{scrubbed / 1e6:.1f}"))
+    print(f"\nan idle mount over a full cache: {args.files} files of {args.file_size} B, after a clean remount "
+          f"({args.settle:g} s to settle), {args.seconds:g} s measured")
+    table(rows, ("system", "CPU, share of a core", "MB read meanwhile"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="mode", required=True)
-    for name in ("warm", "cold", "remount", "seq", "random", "walk"):
+    for name in ("warm", "cold", "remount", "seq", "random", "walk", "idle"):
         s = sub.add_parser(name)
         add_workspace_options(s, repeats=3)
         s.add_argument("--modes", default="passthrough,zero-message", help="cachefs modes to run, of: "
                        + ", ".join(MODES))
         s.add_argument("--baseline", metavar="DIR", help="also run the cachefs checkout in DIR (with DIR/.venv)")
         s.add_argument("--workers", type=int, default=8)
-        s.add_argument("--files", type=int, default=2000)
+        s.add_argument("--files", type=int, default=20000 if name == "idle" else 2000)
+        s.add_argument("--file-size", type=int, default=2048, help="bytes per file (idle)")
+        s.add_argument("--seconds", type=float, default=30.0, help="idle time measured (idle)")
+        s.add_argument("--settle", type=float, default=5.0, help="seconds after the mount before measuring (idle)")
         s.add_argument("--classes", type=int, default=10)
         s.add_argument("--epochs", type=int, default=2, help="warm epochs per repeat (warm)")
         s.add_argument("--ram-size", default="32MiB")
@@ -521,7 +581,7 @@ def main(argv: list[str] | None = None) -> int:
     if not drop_caches():
         raise SystemExit("targets: needs root, to drop the page cache before each epoch")
     cmd = {"warm": cmd_warm, "cold": cmd_cold, "remount": cmd_remount, "seq": cmd_seq, "random": cmd_random,
-           "walk": cmd_walk}
+           "walk": cmd_walk, "idle": cmd_idle}
     with workspace(args, "targets") as work:
         out = cmd[args.mode](args, work)
     write_json(args.json, {"args": vars(args), **out})

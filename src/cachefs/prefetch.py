@@ -26,6 +26,7 @@ import logging
 import threading
 from collections.abc import Callable, Hashable
 
+from cachefs.config import PREFETCH_POLL, PREFETCH_POLL_MAX
 from cachefs.stats import Stats
 
 log = logging.getLogger(__name__)
@@ -138,16 +139,23 @@ class Prefetcher:
         return True
 
     def _worker(self) -> None:
+        poll = PREFETCH_POLL
         while True:
             with self._lock:
                 if self._stopping:
                     return
-            if not self.step():
-                with self._lock:
-                    if self._stopping:
-                        return
-                    # feeders are polled again on wake-up or after a short while
-                    self._wake.wait(0.2 if self._feeders else None)
+            if self.step():
+                poll = PREFETCH_POLL
+                continue
+            with self._lock:
+                if self._stopping:
+                    return
+                # Feeders are polled again on wake-up, or after a while that doubles while
+                # they have nothing (a full cache that frees room does not wake anyone):
+                # an idle mount's sixteen workers polling five times a second cost 0.4%
+                # of a core.
+                woken = self._wake.wait(poll if self._feeders else None)
+            poll = PREFETCH_POLL if woken else min(poll * 2, PREFETCH_POLL_MAX)
 
     def start(self) -> None:
         for i in range(self.workers):

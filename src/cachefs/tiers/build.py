@@ -26,7 +26,8 @@ def build_cache(config: Config, policies: dict[str, str], stats: Stats) -> Multi
     ram = MemoryTier(config.ram_size, stats, policy=policies["ram"], max_idle=max_idle)
     _drop_old_format(config.cache_dir)
     disk = (DiskTier(os.path.join(config.cache_dir, STORE_DIR), config.disk_size, stats,
-                     policy=policies["disk"], max_idle=max_idle, min_free=config.min_free or 0)
+                     policy=policies["disk"], max_idle=max_idle, min_free=config.min_free or 0,
+                     scrub_every=config.scrub_interval)
             if config.disk_size else None)
     return MultiLevelCache(ram, disk, stats, _shared(config, stats) if config.shared_cache else None)
 

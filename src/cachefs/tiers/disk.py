@@ -10,8 +10,8 @@ to a value file with a header.
 Guarantees:
   - a block is recorded in the index only after its bytes are written, and every block
     carries its xxh3: after each start it is checked once before it is first served (a
-    crash can leave a file empty on ext4), and a background scrub checks them all again,
-    slowly, forever;
+    crash can leave a file empty on ext4), and a background scrub checks them all again
+    once per --scrub-interval, in a pass bounded in bytes and blocks a second;
   - an entry's removal is recorded before its file changes: a crash leaves at worst a
     file without a record, which the next start deletes;
   - a damaged index line, or an index that cannot be read at all, costs the blocks it
@@ -35,11 +35,13 @@ import threading
 import time
 
 from cachefs.config import (
+    DEFAULT_SCRUB_INTERVAL,
     EXACT_EVERY,
     EXACT_MARGIN,
     INDEX_FLUSH_BYTES,
     INDEX_FLUSH_EVERY,
     INDEX_MIN,
+    SCRUB_IDLE_BLOCKS,
     SCRUB_IDLE_RATE,
     SCRUB_RATE,
     SUSPEND_AFTER,
@@ -85,11 +87,12 @@ class DiskTier(FileStore):
 
     def __init__(self, directory: str, capacity: int, stats: Stats | None = None,
                  policy: str | Policy = DEFAULT_POLICY, max_idle: float | None = None, min_free: int = 0,
-                 scrub: bool = True):
+                 scrub: bool = True, scrub_every: float = DEFAULT_SCRUB_INTERVAL):
         os.makedirs(directory, mode=0o700, exist_ok=True)
         os.chmod(directory, 0o700)
         super().__init__(directory, capacity, stats, policy, max_idle, direct=True)
         self._min_free = int(min_free)
+        self._scrub_every = scrub_every
         self._index = os.path.join(directory, index.NAME)
         self._log_lock = threading.Lock()
         self._log_fd = -1
@@ -460,8 +463,10 @@ class DiskTier(FileStore):
 
     def _scrub_loop(self) -> None:
         """Check blocks in the background: first those recorded since the last clean stop
-        (SCRUB_RATE), then all of them, slowly and forever (SCRUB_IDLE_RATE): bit rot shows
-        up as a checksum failure and a refetch, never as bytes served."""
+        (SCRUB_RATE), then every block once per --scrub-interval (at most SCRUB_IDLE_RATE
+        bytes and SCRUB_IDLE_BLOCKS blocks a second), sleeping in between: bit rot shows up
+        as a checksum failure and a refetch, never as bytes served, and an idle mount does
+        no work between passes."""
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         except (OSError, AttributeError):
@@ -469,15 +474,25 @@ class DiskTier(FileStore):
         while not self._stop.wait(1.0):
             with self._lock:
                 todo = [(eid, i) for eid, e in self._entries.items() if e.unverified for i in e.unverified]
-            rate = SCRUB_RATE if todo else SCRUB_IDLE_RATE
             if not todo:
-                with self._lock:
-                    todo = [(eid, i) for eid, e in self._entries.items() for i, h in enumerate(e.hashes)
-                            if h is not None]
-            for key in todo:
-                if self._stop.is_set():
-                    return
-                self._stop.wait(self._check_block(key) / rate)
+                break
+            if not self._scrub(todo, SCRUB_RATE, 0):
+                return
+        while self._scrub_every > 0 and not self._stop.wait(self._scrub_every):
+            with self._lock:
+                todo = [(eid, i) for eid, e in self._entries.items() for i, h in enumerate(e.hashes) if h is not None]
+            if not self._scrub(todo, SCRUB_IDLE_RATE, SCRUB_IDLE_BLOCKS):
+                return
+            self._stats.incr("disk.scrub_passes")
+
+    def _scrub(self, todo: list[BlockKey], rate: float, blocks_rate: float) -> bool:
+        """Check `todo` at most `rate` bytes (and `blocks_rate` blocks, if not 0) a second;
+        False if the tier is closing."""
+        pause = 1.0 / blocks_rate if blocks_rate else 0.0
+        for key in todo:
+            if self._stop.wait(max(pause, self._check_block(key) / rate)):
+                return False
+        return not self._stop.is_set()
 
     def _check_block(self, key: BlockKey) -> int:
         """Read one block and compare it with its hash; the bytes read."""
