@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""scale: the per-file costs of an ImageNet-shaped tree, through cachefs and on local disk.
+
+    python tools/scale.py [--files 200000] [--dirs 1000] [--file-size 2048] [--baseline DIR]
+                          [--workdir DIR] [--json FILE]
+
+Makes (once, kept in --workdir) a tree of --files files in --dirs class directories
+(ImageNet-1k is 1,281,167 files in 1,000; --file-size bytes each, small by default so that a
+laptop disk holds it), then, each on local disk and through cachefs (and with --baseline an
+older checkout, in the same run):
+
+  scan       the ImageFolder walk (sorted listings, every name), page cache and dentries
+             dropped: cold, then again within --metadata-ttl after a remount
+  cold       the first shuffled epoch of 8 readers (each file opened and read once), the
+             cache empty, page cache dropped
+  nvme       the next epoch with the page cache dropped: every file from the NVMe tier
+  pagecache  an epoch with nothing dropped
+  mount      the seconds `cachefs mount` takes over the full cache
+  remount    the first epoch after that mount, page cache dropped
+  memory     the daemon's memory (PSS of all its processes) per file, after the epochs
+  idle       the daemon's CPU over --idle seconds of nothing, as a share of one core
+
+with the daemon's CPU per file (user + system of all its processes) beside each epoch.
+Needs root (to drop the page cache). The local disk is the source, so these are the
+daemon's own costs; slowfs (tools/targets.py) measures a slow store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shutil
+import sys
+import time
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools.common import add_workspace_options, drop_caches, workspace, write_json
+from tools.epoch import list_imagefolder, run_epochs
+from tools.targets import cpu, mounted, table
+
+
+def make_tree(root: str, files: int, dirs: int, size: int) -> None:
+    """`files` files of `size` bytes in `dirs` class directories (n01440764-like names)."""
+    marker = os.path.join(root, f".made-{files}-{dirs}-{size}")
+    if os.path.exists(marker):
+        return
+    shutil.rmtree(root, ignore_errors=True)
+    rng = random.Random(0)
+    per_dir = -(-files // dirs)
+    for i in range(files):
+        d = os.path.join(root, f"n{i // per_dir:08d}")
+        if i % per_dir == 0:
+            os.makedirs(d)
+            if sys.stderr.isatty():
+                print(f"\r  making the tree: {i}/{files}", end="", file=sys.stderr, flush=True)
+        with open(os.path.join(d, f"n{i // per_dir:08d}_{i:07d}.JPEG"), "wb") as f:
+            f.write(rng.randbytes(size))
+    open(marker, "w").close()
+    if sys.stderr.isatty():
+        print("\r" + " " * 40 + "\r", end="", file=sys.stderr)
+
+
+def scan(root: str) -> tuple[float, int]:
+    drop_caches()
+    t0 = time.perf_counter()
+    n = len(list_imagefolder(root))
+    return time.perf_counter() - t0, n
+
+
+def epoch(root: str, paths: list[str], seed: int, proc: psutil.Process | None, drop: bool = True) -> dict:
+    if drop:
+        drop_caches()
+    c0 = cpu(proc) if proc else 0.0
+    r = run_epochs(root, 8, 1, seed=seed, paths=[os.path.join(root, p) for p in paths], quiet=True)[0]
+    r["cpu_ms_per_file"] = (cpu(proc) - c0) / len(paths) * 1e3 if proc else None
+    return r
+
+
+def pss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_full_info().pss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total
+
+
+MODES = {"passthrough": ["--passthrough", "on"], "zero-message": ["--passthrough", "off"]}
+
+
+def measure_cachefs(args: argparse.Namespace, tree: str, rel: list[str], work: str, name: str, mode: str,
+                    baseline: str | None) -> dict:
+    cache = os.path.join(work, f"cache-{name}")
+    shutil.rmtree(cache, ignore_errors=True)
+    mp = os.path.join(work, "mnt")
+    out: dict = {}
+    extra = ["--metadata-ttl", "3600", *MODES[mode]]
+    with mounted(tree, mp, cache, extra, baseline, ram=args.ram_size, disk=args.disk_size) as proc:
+        out["scan_cold_s"] = scan(mp)[0]
+        out["cold"] = epoch(mp, rel, 1, proc)
+        out["nvme"] = epoch(mp, rel, 2, proc)
+        out["pagecache"] = epoch(mp, rel, 3, proc, drop=False)
+        out["pss_per_file"] = pss(proc) / len(rel)
+        c0, t0 = cpu(proc), time.monotonic()
+        time.sleep(args.idle)
+        out["idle_core_share"] = (cpu(proc) - c0) / (time.monotonic() - t0)
+    t0 = time.monotonic()
+    with mounted(tree, mp, cache, extra, baseline, ram=args.ram_size, disk=args.disk_size) as proc:
+        out["mount_s"] = time.monotonic() - t0  # the mount command, until the mount is live
+        out["scan_remount_s"] = scan(mp)[0]
+        out["remount"] = epoch(mp, rel, 4, proc)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_workspace_options(p)
+    p.add_argument("--files", type=int, default=200_000)
+    p.add_argument("--dirs", type=int, default=1000)
+    p.add_argument("--file-size", type=int, default=2048, help="bytes per file (ImageNet's mean is ~110 KB)")
+    p.add_argument("--ram-size", default="1GiB")
+    p.add_argument("--disk-size", default="32GiB")
+    p.add_argument("--idle", type=float, default=30.0, help="seconds of an idle mount measured")
+    p.add_argument("--modes", default="passthrough", help="cachefs modes: passthrough, zero-message")
+    p.add_argument("--baseline", metavar="DIR", help="also run the cachefs checkout in DIR")
+    args = p.parse_args(argv)
+    if not drop_caches():
+        raise SystemExit("scale: needs root, to drop the page cache before each measurement")
+    with workspace(args, "scale") as work:
+        tree = os.path.join(work, "tree")
+        make_tree(tree, args.files, args.dirs, args.file_size)
+        rel = [os.path.relpath(x, tree) for x in list_imagefolder(tree)]
+        local = {"scan_cold_s": scan(tree)[0], "cold": epoch(tree, rel, 1, None),
+                 "pagecache": epoch(tree, rel, 3, None, drop=False)}
+        results = {"local disk": local}
+        for mode in args.modes.split(","):
+            print(f"cachefs {mode}", file=sys.stderr)
+            results[f"cachefs {mode}"] = measure_cachefs(args, tree, rel, work, mode, mode, None)
+        if args.baseline:
+            mode = args.modes.split(",")[0]
+            print(f"baseline ({mode})", file=sys.stderr)
+            results["baseline"] = measure_cachefs(args, tree, rel, work, "baseline", mode, args.baseline)
+    rows = []
+    ref = local
+
+    def fps(r: dict, key: str) -> str:
+        e = r.get(key)
+        return "-" if e is None else f"{e['files_per_s']:.0f}"
+
+    def ms(r: dict, key: str) -> str:
+        e = r.get(key)
+        return "-" if e is None or e.get("cpu_ms_per_file") is None else f"{e['cpu_ms_per_file']:.3f}"
+
+    for name, r in results.items():
+        rows.append((name, f"{r['scan_cold_s']:.2f}", f"{r['scan_remount_s']:.2f}" if "scan_remount_s" in r else "-",
+                     fps(r, "cold"), ms(r, "cold"), fps(r, "nvme"), ms(r, "nvme"), fps(r, "pagecache"),
+                     ms(r, "pagecache"), f"{r['mount_s']:.1f}" if "mount_s" in r else "-", fps(r, "remount"),
+                     f"{r['pss_per_file']:.0f}" if "pss_per_file" in r else "-",
+                     f"{r['idle_core_share'] * 100:.2f}%" if "idle_core_share" in r else "-"))
+    print(f"\n{len(rel)} files of {args.file_size} B in {args.dirs} directories on local disk; 8 readers, "
+          "page cache dropped before each measurement but the page-cache epoch; files/s and daemon CPU ms/file")
+    table(rows, ("system", "scan s", "scan after remount s", "cold", "ms", "NVMe", "ms", "page cache", "ms",
+                 "mount s", "remount", "PSS B/file", "idle CPU"))
+    print(f"(local: cold {ref['cold']['files_per_s']:.0f} files/s, page cache {ref['pagecache']['files_per_s']:.0f})")
+    write_json(args.json, {"args": vars(args), "files": len(rel), "systems": results})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
