@@ -15,7 +15,7 @@ LAYERS = [
                     "hooks", "__init__"}),
     ("fuse protocol", {"fuse", "fuse.kernel", "fuse.protocol", "fuse.ops", "fuse.session"}),
     ("job side", {"hintclient", "mounttable", "torch", "pipeline", "diagnose"}),
-    ("tiers and sources", {"tiers", "tiers.layout", "tiers.index", "tiers.store", "tiers.memory", "tiers.disk",
+    ("tiers and sources", {"tiers", "tiers.layout", "tiers.index", "tiers.store", "tiers.memory", "tiers.disk", "tiers.checks",
                            "tiers.shared", "tiers.multilevel", "tiers.build", "source", "memsource"}),
     ("scheduling", {"gate", "prefetch", "flight", "guard"}),
     ("core parts", {"metadata", "blockpath", "fetcher", "fills", "dirahead"}),

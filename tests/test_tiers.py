@@ -223,6 +223,106 @@ def test_a_block_changed_between_two_runs_is_never_served(disk):
     assert stats.get("disk.checksum_failures") == 1
 
 
+def _reads(monkeypatch) -> list[int]:
+    """Count the tiers' block reads (each read of a cached block, checked or served)."""
+    from cachefs.tiers import checks as checks_mod
+    from cachefs.tiers import store as store_mod
+
+    count: list[int] = []
+    for mod in (store_mod, checks_mod):
+        for name in ("pread", "pread_direct"):
+            real = getattr(mod, name)
+
+            def counted(fd, offset, length, _real=real):
+                count.append(length)
+                return _real(fd, offset, length)
+
+            monkeypatch.setattr(mod, name, counted)
+    return count
+
+
+@pytest.fixture
+def no_margin(monkeypatch):
+    """A margin of 20 ms instead of CLEAN_MARGIN_NS, which the tests cannot wait: files
+    written 50 ms before a clean stop count as written back by it. (Not 0: a file's ctime
+    comes from the kernel's coarse clock, up to a tick behind the stop's own time.)"""
+    from cachefs.tiers import checks as checks_mod
+
+    monkeypatch.setattr(checks_mod, "CLEAN_MARGIN_NS", 20_000_000)
+
+
+def test_after_a_clean_stop_unchanged_files_are_trusted_without_reading_them(disk, monkeypatch, no_margin):
+    stats = Stats()
+    t = disk(stats=stats)
+    data = {n: os.urandom(50_000) for n in (1, 2, 3)}
+    for n, d in data.items():
+        put(t, n, d)
+    time.sleep(0.05)
+    t.close()                                                 # syncfs, then the clean mark
+    with open(t.file_of(eid(3).hex()), "r+b") as f:           # written to while nothing runs
+        f.seek(100)
+        f.write(b"rot")
+    reads = _reads(monkeypatch)
+    t2 = disk(stats=stats)
+    assert t2.backing_file(eid(1)) == t2.file_of(eid(1).hex())  # passed through: no read at all
+    assert reads == [] and t2.entry(eid(1)).unverified is None
+    assert t2.get((eid(2), 0)) == data[2] and reads == [50_000]  # the read it serves, no check
+    assert t2.backing_file(eid(3)) is None and t2.entry(eid(3)) is None  # its ctime says changed
+    assert stats.get("disk.trusted_files") == 2 and stats.get("disk.checksum_failures") == 1
+    check(t2)
+
+
+def test_a_clean_stop_vouches_only_for_what_it_wrote_back(disk, no_margin):
+    """Files not checked during a run keep the mark of the clean stop that wrote them back,
+    not the next one: a file changed during that run is still caught. Files written after
+    the last clean stop (then a kill) are read and compared."""
+    stats = Stats()
+    t = disk(stats=stats)
+    put(t, 1, os.urandom(50_000))
+    put(t, 2, os.urandom(50_000))
+    time.sleep(0.05)
+    t.close()
+    t2 = disk(stats=stats)                                    # a run that reads neither ...
+    with open(t2.file_of(eid(1).hex()), "r+b") as f:          # ... while someone scribbles
+        f.write(b"rot")
+    time.sleep(0.05)
+    t2.close()                                                # a clean stop after it
+    t3 = disk(stats=stats)
+    three = os.urandom(50_000)
+    put(t3, 3, three)
+    t3.flush()
+    t3._stop.set()
+    os.close(t3._log_fd)                                      # kill -9
+    t3._log_fd = -1
+    t4 = disk(stats=stats)
+    assert type(t4.entry(eid(2)).unverified).__name__ == "Synced"
+    assert type(t4.entry(eid(3)).unverified) is set           # after the last clean stop: read
+    assert t4.get((eid(1), 0)) is None and stats.get("disk.checksum_failures") == 1
+    assert t4.backing_file(eid(2)) is not None and stats.get("disk.trusted_files") == 1
+    assert t4.get((eid(3), 0)) == three and stats.get("disk.trusted_files") == 1
+    check(t4)
+
+
+def test_the_restart_check_trusts_a_clean_cache_at_a_stat_per_file(tmp_path, monkeypatch, no_margin):
+    stats = Stats()
+    t = DiskTier(str(tmp_path / "store"), 8 << 20, stats, scrub=False)
+    for n in range(20):
+        put(t, n, os.urandom(20_000))
+    time.sleep(0.05)
+    t.close()
+    reads = _reads(monkeypatch)
+    t2 = DiskTier(str(tmp_path / "store"), 8 << 20, stats)    # with its background checks
+    try:
+        deadline = time.monotonic() + 10
+        while stats.get("disk.trusted_files") < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats.get("disk.trusted_files") == 20 and reads == []
+        assert stats.get("disk.scrubbed_bytes") == 0
+        assert all(t2.entry(eid(n)).unverified is None for n in range(20))
+    finally:
+        t2.close()
+
+
 def test_after_an_unclean_stop_each_block_is_checked_once_before_it_is_served(disk, tmp_path):
     stats = Stats()
     t = disk(stats=stats)
@@ -286,7 +386,7 @@ def test_a_block_evicted_or_rewritten_while_it_is_checked_is_a_miss_not_corrupti
     hash; an eviction in between punches or unlinks the file, and the bytes read are short
     or zeros. That once counted as a checksum failure on a healthy cache (and dropped the
     entry that had taken the name)."""
-    from cachefs.tiers import disk as disk_mod
+    from cachefs.tiers import checks as disk_mod
     from cachefs.tiers import store as store_mod
 
     stats = Stats()

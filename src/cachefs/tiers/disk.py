@@ -10,8 +10,9 @@ to a value file with a header.
 Guarantees:
   - a block is recorded in the index only after its bytes are written, and every block
     carries its xxh3: after each start it is checked once before it is first served (a
-    crash can leave a file empty on ext4), and a background scrub checks them all again
-    once per --scrub-interval, in a pass bounded in bytes and blocks a second;
+    crash can leave a file empty on ext4), by reading it, or at one stat for a file that a
+    clean stop wrote back and nothing changed since (tiers/checks.py); a background scrub
+    reads them all again once per --scrub-interval, bounded in bytes and blocks a second;
   - an entry's removal is recorded before its file changes: a crash leaves at worst a
     file without a record, which the next start deletes;
   - a damaged index line, or an index that cannot be read at all, costs the blocks it
@@ -41,26 +42,21 @@ from cachefs.config import (
     INDEX_FLUSH_BYTES,
     INDEX_FLUSH_EVERY,
     INDEX_MIN,
-    SCRUB_IDLE_BLOCKS,
-    SCRUB_IDLE_RATE,
-    SCRUB_RATE,
     SUSPEND_AFTER,
     SUSPEND_FOR,
-    WRITER_NICE,
     format_size,
 )
-from cachefs.directio import pread, pread_direct
 from cachefs.identity import Attr
 from cachefs.policy import DEFAULT_POLICY, Policy
 from cachefs.stats import Stats
 from cachefs.tiers import index
+from cachefs.tiers.checks import Checks, Synced, mark_synced
 from cachefs.tiers.store import (
     BlockKey,
     Entry,
     EntryInfo,
     FileStore,
     allocated,
-    block_hash,
 )
 
 log = logging.getLogger(__name__)
@@ -82,7 +78,7 @@ def syncfs(path: str) -> None:
         os.close(fd)
 
 
-class DiskTier(FileStore):
+class DiskTier(Checks, FileStore):
     name = "disk"
 
     def __init__(self, directory: str, capacity: int, stats: Stats | None = None,
@@ -275,6 +271,8 @@ class DiskTier(FileStore):
             self._write_unwritten()
 
     def _recorded(self, e: Entry, index_: int, h: int, new: bool) -> None:
+        if type(e.unverified) is Synced:  # its file changes now: the clean stop no longer vouches for it
+            e.unverified = set(e.unverified)
         line = index.block_line(e.name, index_, h)
         if new:
             line = index.entry_line(e.name, e.block_size, e.stored_at, e.attr, e.path) + line
@@ -290,21 +288,31 @@ class DiskTier(FileStore):
             self._live_bytes = max(0, self._live_bytes - 200 - 50 * len(e.hashes))
 
     def _snapshot(self, clean: bool) -> bytes:
-        """The index of what is held now, as lines: entries and blocks, the checked ones
-        first, then a clean mark if `clean`, then blocks still to be checked."""
+        """The index of what is held now, as lines: first the entries still vouched for by
+        an earlier clean stop (not checked since this start), each group followed by that
+        stop's C line again; then the entries checked or written since this start, followed
+        by a new C line if `clean` (this stop, after syncfs); then blocks still to be read."""
+        synced: dict[int, list[bytes]] = {}
         lines: list[bytes] = []
         unchecked: list[bytes] = []
         with self._lock:
             for e in self._entries.values():
-                lines.append(index.entry_line(e.name, e.block_size, e.stored_at, e.attr, e.path))
+                u = e.unverified
+                group = synced.setdefault(u.at_ns, []) if type(u) is Synced else lines
+                group.append(index.entry_line(e.name, e.block_size, e.stored_at, e.attr, e.path))
                 for i, h in enumerate(e.hashes):
                     if h is None:
                         continue
                     line = index.block_line(e.name, i, h)
-                    (unchecked if e.unverified is not None and i in e.unverified else lines).append(line)
-        if clean or not unchecked:
-            lines.append(index.clean_line(time.time()))
-        return b"".join(lines + unchecked)
+                    (unchecked if type(u) is set and i in u else group).append(line)
+        out: list[bytes] = []
+        for at_ns in sorted(synced):
+            out += synced[at_ns]
+            out.append(index.clean_line(at_ns / 1e9))
+        out += lines
+        if clean:
+            out.append(index.clean_line(time.time()))
+        return b"".join(out + unchecked)
 
     def _compact(self, clean: bool = False) -> None:
         """Rewrite the index as what is held now (new file, fsync, rename). Locks in the
@@ -358,6 +366,7 @@ class DiskTier(FileStore):
             records = []
         clean = bool(records) and isinstance(records[-1], index.CleanRecord)
         entries: dict[bytes, Entry] = {}
+        since_clean: list[BlockKey] = []  # blocks recorded since the last clean stop's mark
         for r in records:
             if isinstance(r, index.EntryRecord):
                 try:
@@ -369,13 +378,17 @@ class DiskTier(FileStore):
                 else:
                     entries[eid].stored_at = r.stored_at
             elif isinstance(r, index.BlockRecord):
-                e = entries.get(bytes.fromhex(r.entry)) if len(r.entry) == 32 else None
+                eid = bytes.fromhex(r.entry) if len(r.entry) == 32 else b""
+                e = entries.get(eid)
                 if e is None or not 0 <= r.block < len(e.hashes):
                     continue
                 if e.hashes[r.block] is None:
                     e.present += 1
                 e.hashes[r.block] = r.xxh3
-                e.unverified = (e.unverified or set()) | {r.block}  # checked once before it is served
+                since_clean.append((eid, r.block))  # checked once before it is served: see CleanRecord
+            elif isinstance(r, index.CleanRecord):
+                mark_synced(entries, since_clean, int(r.at * 1e9))
+                since_clean = []
             elif isinstance(r, index.DropRecord):
                 eid = bytes.fromhex(r.entry) if len(r.entry) == 32 else b""
                 e = entries.get(eid)
@@ -388,6 +401,7 @@ class DiskTier(FileStore):
                     e.present -= 1
                     if e.unverified is not None:
                         e.unverified.discard(r.block)
+        mark_synced(entries, since_clean, None)  # after the last clean stop: each block is read
         if damaged:
             log.warning("NVMe tier: %d damaged index lines skipped; the blocks they described will be "
                         "fetched again", damaged)
@@ -412,8 +426,10 @@ class DiskTier(FileStore):
             for i, h in enumerate(e.hashes):
                 if h is not None:
                     self.policy.admit((eid, i), allocated(e.extent(i)[1]))
-        log.info("NVMe tier: %d files, %d blocks, %s; each block is checked once before it is served%s",
-                 len(self._entries), len(self.policy), format_size(self.policy.used),
+        synced = sum(type(e.unverified) is Synced for e in self._entries.values())
+        log.info("NVMe tier: %d files, %d blocks, %s; %d files written back at a clean stop are trusted "
+                 "if unchanged since, the rest are checked once before they are served%s",
+                 len(self._entries), len(self.policy), format_size(self.policy.used), synced,
                  "" if clean or not records else " (the last stop was not clean)")
         if orphans:
             log.info("NVMe tier: deleted %d files no index line described (an unclean stop)", len(orphans))
@@ -459,71 +475,11 @@ class DiskTier(FileStore):
         if e is not None:
             e.stored_at = time.time()
 
-    # -- the scrub ----------------------------------------------------------------------------
-
-    def _scrub_loop(self) -> None:
-        """Check blocks in the background: first those recorded since the last clean stop
-        (SCRUB_RATE), then every block once per --scrub-interval (at most SCRUB_IDLE_RATE
-        bytes and SCRUB_IDLE_BLOCKS blocks a second), sleeping in between: bit rot shows up
-        as a checksum failure and a refetch, never as bytes served, and an idle mount does
-        no work between passes."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except (OSError, AttributeError):
-            pass
-        while not self._stop.wait(1.0):
-            with self._lock:
-                todo = [(eid, i) for eid, e in self._entries.items() if e.unverified for i in e.unverified]
-            if not todo:
-                break
-            if not self._scrub(todo, SCRUB_RATE, 0):
-                return
-        while self._scrub_every > 0 and not self._stop.wait(self._scrub_every):
-            with self._lock:
-                todo = [(eid, i) for eid, e in self._entries.items() for i, h in enumerate(e.hashes) if h is not None]
-            if not self._scrub(todo, SCRUB_IDLE_RATE, SCRUB_IDLE_BLOCKS):
-                return
-            self._stats.incr("disk.scrub_passes")
-
-    def _scrub(self, todo: list[BlockKey], rate: float, blocks_rate: float) -> bool:
-        """Check `todo` at most `rate` bytes (and `blocks_rate` blocks, if not 0) a second;
-        False if the tier is closing."""
-        pause = 1.0 / blocks_rate if blocks_rate else 0.0
-        for key in todo:
-            if self._stop.wait(max(pause, self._check_block(key) / rate)):
-                return False
-        return not self._stop.is_set()
-
-    def _check_block(self, key: BlockKey) -> int:
-        """Read one block and compare it with its hash; the bytes read."""
-        eid, i = key
-        with self._lock:
-            e = self._entries.get(eid)
-            if e is None or e.hashes[i] is None or self.suspended:
-                return 0
-            expected = e.hashes[i]
-            offset, length = e.extent(i)
-        try:
-            fd = self._fds.get(e.name)
-            try:
-                data = pread_direct(fd, offset, length) if self._direct else pread(fd, offset, length)
-            finally:
-                os.close(fd)
-        except OSError:
-            return 0
-        self._stats.incr("disk.scrubbed_bytes", len(data))
-        if len(data) != length or block_hash(data) != expected:
-            if self._unchanged(e, key, expected):  # not evicted or rewritten while it was read
-                self._failed_check(key, "found by the scrub")
-        else:
-            self._verified(e, i)
-        return length
-
     # -- shutdown -------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Write back the tier's files, then record a clean stop: the next start trusts
-        every block without reading it."""
+        every file unchanged since without reading it (tiers/checks.py)."""
         self._stop.set()
         self._flusher.join(10)
         if self._scrubber is not None:

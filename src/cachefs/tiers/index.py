@@ -16,9 +16,14 @@ last write, bit rot): the blocks it described are then simply not cached.
 E opens an entry (the file version's path and attributes, kept so that a remounted cache
 can answer lookups without the source), B records a block written to the entry's file
 (after the write), D one removed (before the file changes), C a clean stop (everything
-written back with syncfs first). After every start each block is checked against its hash
-once, before it is first served: a crash can leave a file empty on ext4, and a file can
-rot or be changed behind the daemon's back between two runs.
+written back with syncfs first): the blocks recorded before a C line, since the previous
+one, were on the disk at its <wall time>. After a start, an entry whose blocks all come
+before a C line and whose file has not changed since (ctime older than that time, less a
+margin; the recorded size) is trusted at one stat; every other block is checked against
+its hash once before it is first served: a crash can leave a file empty on ext4, and a
+file can be changed behind the daemon's back between two runs. A rewritten (compacted)
+index repeats an earlier stop's C line after the entries not checked since, so that they
+stay measured against the stop that wrote them back.
 
 `tests/test_index.py` pins these bytes; change the layout only with a new file name.
 """
