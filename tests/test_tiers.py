@@ -323,6 +323,25 @@ def test_the_restart_check_trusts_a_clean_cache_at_a_stat_per_file(tmp_path, mon
         t2.close()
 
 
+def test_a_start_after_a_clean_stop_does_not_rewrite_the_index(disk):
+    """A clean stop leaves the index compact: the next start appends to it instead of
+    writing it all again (2 s of a 200,000-file mount), and what it appends is read back."""
+    t = disk()
+    put(t, 1, b"x" * 5000)
+    put(t, 2, b"y" * 5000)
+    t.discard((eid(2), 0))
+    t.close()
+    ino = os.stat(os.path.join(t.directory, index.NAME)).st_ino
+    t2 = disk()
+    assert os.stat(os.path.join(t2.directory, index.NAME)).st_ino == ino  # not replaced
+    put(t2, 3, b"z" * 5000)
+    t2.close()
+    t3 = disk()
+    assert t3.get((eid(1), 0)) == b"x" * 5000 and t3.get((eid(3), 0)) == b"z" * 5000
+    assert t3.entry(eid(2)) is None
+    check(t3)
+
+
 def test_after_an_unclean_stop_each_block_is_checked_once_before_it_is_served(disk, tmp_path):
     stats = Stats()
     t = disk(stats=stats)

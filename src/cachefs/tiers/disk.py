@@ -340,7 +340,7 @@ class DiskTier(Checks, FileStore):
             self._unwritten = bytearray()  # the snapshot holds what they said
             self._log_bytes = self._live_bytes = len(data)
 
-    # Long (84 lines) for a reason: one pass replays the index log in order; split, its
+    # Long (89 lines) for a reason: one pass replays the index log in order; split, its
     # state (entries, blocks seen, damage) would travel between the pieces.
     def _load(self) -> None:
         """Rebuild the tier from its index: entries and blocks, oldest first into the
@@ -433,7 +433,23 @@ class DiskTier(Checks, FileStore):
                  "" if clean or not records else " (the last stop was not clean)")
         if orphans:
             log.info("NVMe tier: deleted %d files no index line described (an unclean stop)", len(orphans))
-        self._compact()  # a fresh index: what is held, damaged and dead lines gone
+        marks = sum(isinstance(r, index.CleanRecord) for r in records)
+        live = len(self._entries) + len(self.policy)
+        if records and not (damaged or orphans or missing) and len(records) - marks == live:
+            self._open_log()  # every line is live (a clean stop wrote it so): no need to rewrite it
+        else:
+            self._compact()  # a fresh index: what is held, damaged and dead lines gone
+
+    def _open_log(self) -> None:
+        """Append to the index as it is."""
+        with self._log_lock:
+            try:
+                fd = os.open(self._index, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+                self._log_bytes = self._live_bytes = os.fstat(fd).st_size
+            except OSError as exc:
+                self._io_failed("index open", exc)
+                return
+            self._log_fd = fd
 
     def _files(self) -> dict[str, str]:
         """Entry files on disk, by name."""
