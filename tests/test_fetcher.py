@@ -172,8 +172,8 @@ def test_a_batch_is_one_request_with_a_reply_per_file(pool):
         st = os.stat(src / name) if (src / name).exists() else None
         fid = FileId(f"/{name}", st.st_size, st.st_mtime_ns, st.st_ctime_ns) if st else None
         reqs.append(Fill(f"/{name}", BS, fid))
-    replies, counts = fetchers.fill_many(reqs, 5)
-    assert counts == {}
+    replies, counts, servers = fetchers.fill_many(reqs, 5)
+    assert counts == {} and servers == {}  # no shared tier: nothing counted
     assert [r.kind for r in replies] == ["stored"] * 5 + ["large", "error"]
     for i in range(5):
         name = entry_id(NS, FileId(f"/f{i}", *reqs[i][2][1:]), BS).hex()

@@ -115,6 +115,7 @@ class Filled(NamedTuple):
 class FilledBatch(NamedTuple):
     replies: list[Filled]
     counts: dict[str, int]  # the shared.* counters the worker added
+    servers: dict[str, tuple[int, int]]  # hits and misses it added, per shared-tier server
 PR_SET_PDEATHSIG = 1
 
 
@@ -185,6 +186,7 @@ class _Worker:
         """A batch: from the shared tier what it has, the rest from the source (then
         shared); see the module's protocol."""
         before = self.stats.thread_counts()
+        servers_before = self.shared.server_counts() if self.shared is not None else {}
         replies: list[Filled | None] = [None] * len(requests)
         if self.shared is not None:
             wanted = [(i, r.expect) for i, r in enumerate(requests)
@@ -208,7 +210,13 @@ class _Worker:
             self.shared.store_many(to_share)
         after = self.stats.thread_counts()
         counts = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
-        return FilledBatch([r for r in replies if r is not None], counts)
+        servers = {}
+        if self.shared is not None:
+            for name, (hits, misses) in self.shared.server_counts().items():
+                h0, m0 = servers_before.get(name, (0, 0))
+                if (hits, misses) != (h0, m0):
+                    servers[name] = (hits - h0, misses - m0)
+        return FilledBatch([r for r in replies if r is not None], counts, servers)
 
     def _write(self, fid: FileId, data: bytes, attr: Attr | None) -> Filled:
         """Write a file version's bytes to its entry's file; the reply for it (`attr` None:
@@ -243,7 +251,7 @@ class _Worker:
                 assert isinstance(request, tuple)
                 if request[0] == _MANY:
                     batch = self.fill_many([Fill.from_wire(r) for r in request[1]])
-                    reply = (_MANY, [r.wire() for r in batch.replies], batch.counts)
+                    reply = (_MANY, [r.wire() for r in batch.replies], batch.counts, batch.servers)
                 else:
                     reply = self.fill(Fill.from_wire(request)).wire()
             except Exception as exc:  # never leave the daemon waiting
@@ -390,8 +398,8 @@ class Fetchers:
         reply = self._call((_MANY, [r.wire() for r in requests]), timeout, requests[0].path if requests else "")
         if reply[0] != _MANY:  # the worker failed as a whole: every file failed
             failed = Filled.from_wire(reply)
-            return FilledBatch([failed] * len(requests), {})
-        return FilledBatch([Filled.from_wire(r) for r in reply[1]], reply[2])
+            return FilledBatch([failed] * len(requests), {}, {})
+        return FilledBatch([Filled.from_wire(r) for r in reply[1]], reply[2], reply[3])
 
     def _call(self, message: tuple, timeout: float | None, subject: str) -> tuple:  # type: ignore[type-arg]
         while True:  # a free channel; none at all while a process that ended is started again

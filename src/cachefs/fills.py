@@ -202,6 +202,8 @@ class SmallFills:
                     replies, shared_done = got.replies, fetchers.shared
                     if got.counts:
                         self._stats.add_many(got.counts)  # what the fetch process counted of the shared tier
+                    if got.servers:
+                        self._cache.count_shared_servers(got.servers)  # and per server, for cachefs stats
                 except FetchUnavailable:
                     replies = [self._read_here(c.fid.path, c.fid) for c in claims]
                 except OSError:

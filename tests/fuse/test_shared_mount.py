@@ -81,6 +81,8 @@ def test_the_second_node_reads_nothing_from_the_source(tmp_path, mounts, servers
     assert s["shared"]["hits"] == blocks_of(files) and s["shared"]["checksum_failures"] == 0
     assert [x["up"] for x in s["shared"]["servers"]] == [True, True]
     assert all(x["hits"] > 0 for x in s["shared"]["servers"])  # the keys spread over both
+    # per server, the fetch processes' hits too (they fetch most of a read-ahead epoch)
+    assert sum(x["hits"] for x in s["shared"]["servers"]) == s["shared"]["hits"]
     # what node b got from the shared tier is stored locally as any fill: a remount of b
     # serves it from its own NVMe with the servers gone
     mounts.unmount(b)

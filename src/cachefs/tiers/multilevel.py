@@ -382,6 +382,11 @@ class MultiLevelCache:
         if self.disk is not None:
             self.disk.confirm(path)
 
+    def count_shared_servers(self, counts: dict[str, tuple[int, int]]) -> None:
+        """What a fetch process counted per shared-tier server (hits, misses)."""
+        if self.shared is not None:
+            self.shared.add_server_counts(counts)
+
     def drain_shared(self, timeout: float = 30.0) -> bool:
         """Wait until the blocks queued for the shared tier are stored."""
         return self.shared.drain(timeout) if self.shared is not None else True

@@ -336,6 +336,17 @@ class SharedTier:
     def servers_down(self) -> int:
         return sum(1 for s in self._servers if s.down_until)
 
+    def server_counts(self) -> dict[str, tuple[int, int]]:
+        """Hits and misses so far, by server (a fetch process reports what it added)."""
+        return {s.name: (s.hits, s.misses) for s in self._servers}
+
+    def add_server_counts(self, counts: dict[str, tuple[int, int]]) -> None:
+        """Add what a fetch process counted per server: `cachefs stats` shows the node's."""
+        for s in self._servers:
+            hits, misses = counts.get(s.name, (0, 0))
+            s.hits += hits
+            s.misses += misses
+
     def servers(self) -> list[dict[str, Any]]:
         """One line per server for `cachefs stats`: up or down, and its share of the hits."""
         total = sum(s.hits for s in self._servers) or 1
