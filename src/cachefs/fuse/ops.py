@@ -8,7 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -165,6 +165,17 @@ class DirHandle:
         self.items: Sequence[DirItem] | None = None
 
 
+def _fitting(items: Sequence[DirItem], offset: int, size: int, plus: bool) -> Iterator[tuple[int, DirItem]]:
+    """The entries from `offset` on, with their index, whose records fit in a reply of
+    `size` bytes (READDIR's or READDIRPLUS's records, as `plus`)."""
+    used = 0
+    for i in range(offset, len(items)):
+        used += p.dirent_size(items[i].name, plus)
+        if used > size:
+            return
+        yield i, items[i]
+
+
 class Handlers:
     """How each request becomes a call on `Operations` and its reply parts: the session's
     half that a new opcode changes (with its structs in protocol.py and its answer in the
@@ -274,27 +285,14 @@ class Handlers:
     def _readdir(self, req: Request, payload: memoryview) -> list[Buffer]:
         fh, offset, size, *_ = p.READ_IN.unpack_from(payload)
         items = self._dir_items(req, fh, offset)
-        out: list[Buffer] = []
-        used = 0
-        for i in range(offset, len(items)):
-            item = items[i]
-            record = p.pack_dirent(item.ino or 0xFFFFFFFF, i + 1, item.name, item.mode)
-            if used + len(record) > size:
-                break
-            out.append(record)
-            used += len(record)
-        return out
+        return [p.pack_dirent(item.ino or 0xFFFFFFFF, i + 1, item.name, item.mode)
+                for i, item in _fitting(items, offset, size, plus=False)]
 
     def _readdirplus(self, req: Request, payload: memoryview) -> list[Buffer]:
         fh, offset, size, *_ = p.READ_IN.unpack_from(payload)
         items = self._dir_items(req, fh, offset)
         out: list[Buffer] = []
-        used = 0
-        for i in range(offset, len(items)):
-            item = items[i]
-            need = p.dirent_size(item.name, plus=True)
-            if used + need > size:
-                break
+        for i, item in _fitting(items, offset, size, plus=True):  # sized before the lookup it counts
             entry = b"\0" * (p.ENTRY_OUT.size + p.ATTR.size)  # no attributes: the kernel looks it up
             ino = item.ino or 0xFFFFFFFF
             if item.name not in (b".", b".."):
@@ -311,7 +309,6 @@ class Handlers:
                 except (FuseError, OSError):
                     pass
             out.append(p.pack_direntplus(entry, ino, i + 1, item.name, item.mode))
-            used += need
         return out
 
     def _releasedir(self, req: Request, payload: memoryview) -> list[Buffer]:

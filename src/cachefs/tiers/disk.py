@@ -340,7 +340,7 @@ class DiskTier(Checks, FileStore):
             self._unwritten = bytearray()  # the snapshot holds what they said
             self._log_bytes = self._live_bytes = len(data)
 
-    # Long (89 lines) for a reason: one pass replays the index log in order; split, its
+    # Long (98 lines) for a reason: one pass replays the index log in order; split, its
     # state (entries, blocks seen, damage) would travel between the pieces.
     def _load(self) -> None:
         """Rebuild the tier from its index: entries and blocks, oldest first into the
@@ -367,6 +367,7 @@ class DiskTier(Checks, FileStore):
         clean = bool(records) and isinstance(records[-1], index.CleanRecord)
         entries: dict[bytes, Entry] = {}
         since_clean: list[BlockKey] = []  # blocks recorded since the last clean stop's mark
+        marks = 0                         # C lines: not entries, not blocks (see the end)
         for r in records:
             if isinstance(r, index.EntryRecord):
                 try:
@@ -389,6 +390,7 @@ class DiskTier(Checks, FileStore):
             elif isinstance(r, index.CleanRecord):
                 mark_synced(entries, since_clean, int(r.at * 1e9))
                 since_clean = []
+                marks += 1
             elif isinstance(r, index.DropRecord):
                 eid = bytes.fromhex(r.entry) if len(r.entry) == 32 else b""
                 e = entries.get(eid)
@@ -433,7 +435,6 @@ class DiskTier(Checks, FileStore):
                  "" if clean or not records else " (the last stop was not clean)")
         if orphans:
             log.info("NVMe tier: deleted %d files no index line described (an unclean stop)", len(orphans))
-        marks = sum(isinstance(r, index.CleanRecord) for r in records)
         live = len(self._entries) + len(self.policy)
         if records and not (damaged or orphans or missing) and len(records) - marks == live:
             self._open_log()  # every line is live (a clean stop wrote it so): no need to rewrite it

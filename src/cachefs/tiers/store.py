@@ -508,9 +508,10 @@ class FileStore:
                 return self._acquired(eid, e) if acquire else self.file_of(e.name)
             unverified = sorted(e.unverified)
         # once per entry after a start: trusted (DiskTier's clean stops), or each block read and compared
-        for index in [] if self._trusted(e) else unverified:
-            if self._read((eid, index), buffered=True) is None:
-                return None
+        if not self._trusted(e):
+            for index in unverified:
+                if self._read((eid, index), buffered=True) is None:
+                    return None
         if not acquire:
             return self.file_of(e.name)
         with self._lock:
