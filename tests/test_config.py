@@ -39,3 +39,13 @@ def test_format_size():
     assert format_size(512) == "512 B"
     assert format_size(1536) == "1.5 KiB"
     assert format_size(16 * GiB) == "16.0 GiB"
+
+
+def test_backing_files_kept_grow_with_the_machine_within_a_share_of_its_memory():
+    from cachefs.config import BACKING_BYTES, BACKING_CACHE_MIN, BACKING_RAM_SHARE, backing_limit
+
+    assert backing_limit(1 << 30) == BACKING_CACHE_MIN                   # a small machine: the floor
+    big = 512 << 30                                                      # a training node
+    assert backing_limit(big) * BACKING_BYTES <= big // BACKING_RAM_SHARE
+    assert backing_limit(big) > 1_281_167 * 4                            # ImageNet-1k, all kept
+    assert backing_limit() >= BACKING_CACHE_MIN                          # this machine's

@@ -134,9 +134,23 @@ SHARED_PUT_WAIT = 30.0
 MISSED_BLOCKS = 1 << 16
 
 # Backing files kept registered with the kernel after the last open of their file closes
-# (passthrough): registering one cost an open about 35 us of CPU, and the next epoch opens
-# the same files. Each holds an open file in the kernel (a few hundred bytes).
-BACKING_CACHE = 16384
+# (passthrough): the next epoch opens the same files, and registering one again (an open,
+# the ioctl, and closing another to make room) was a fifth of a 200,000-file epoch's
+# samples when 16,384 were kept: keeping them all made that epoch 1.4-1.6x as fast. Each
+# costs about BACKING_BYTES (the kernel's open file, the cache file's inode it pins, the
+# daemon's record), so at most 1/BACKING_RAM_SHARE of the machine's memory goes to them,
+# and at least BACKING_CACHE_MIN are kept.
+BACKING_CACHE_MIN = 16384
+BACKING_BYTES = 1536
+BACKING_RAM_SHARE = 64
+
+
+def backing_limit(ram: int | None = None) -> int:
+    """How many backing files to keep registered on a machine with `ram` bytes of memory
+    (this one's by default)."""
+    if ram is None:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return max(BACKING_CACHE_MIN, ram // BACKING_RAM_SHARE // BACKING_BYTES)
 
 # FUSE request threads. FUSE_READERS of them take requests; one that waits on the source
 # hands its place to another, up to FUSE_MAX_THREADS (the misses in flight: 8 DataLoader

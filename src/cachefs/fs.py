@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from cachefs.config import BACKING_CACHE, Config
+from cachefs.config import Config, backing_limit
 from cachefs.core import Core
 from cachefs.directio import OUT_OF_DESCRIPTORS, descriptor_limit, trim_descriptors
 from cachefs.errors import QUIET, to_errno
@@ -167,7 +167,7 @@ class CachefsFS(Operations):
             self.passthrough, self.zero_message_open = True, False
         if usable and self.session is not None:
             self.core.hooks.connect(passthrough=True)
-            self._backings = Backings(self.session, BACKING_CACHE)
+            self._backings = Backings(self.session, backing_limit())
             self.core.cache.on_drop(self._backings.dropped)
             self.core.stats.gauge("opens.backing_files", lambda: len(self._backings or ()))
         if mode == "on" and self.want_passthrough and not usable:

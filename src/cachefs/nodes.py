@@ -125,9 +125,9 @@ class NodeOpen:
 
 class Backings:
     """Backing files registered with the kernel (FUSE_DEV_IOC_BACKING_OPEN), by entry. One
-    stays registered after the last open of its file closes (up to BACKING_CACHE idle ones,
-    the least recently used closed first): registering cost an open about 35 us of CPU, and
-    the next epoch opens the same files again. Each registered file is held in its tier
+    stays registered after the last open of its file closes (up to `limit` idle ones, the
+    least recently used closed first; see config.backing_limit): registering cost an open
+    about 35 us of CPU, and the next epoch opens the same files again. Each registered file is held in its tier
     (acquire), so no hole is punched under the kernel; when a tier drops the entry anyway,
     its id is closed at once, or at its last close."""
 
