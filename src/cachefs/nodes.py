@@ -157,7 +157,8 @@ class Backings:
         with self._lock:
             rec = self._ids.get(eid)
             if rec is None or rec[3]:
-                self._ids[eid] = [backing_id, backing, 1, False]
+                # kept without its path (one per cached file: the path was 130 of ~500 bytes)
+                self._ids[eid] = [backing_id, backing._replace(path=""), 1, False]
                 return backing_id
             rec[2] += 1  # registered by another open meanwhile: use that one
             self._idle.pop(eid, None)
