@@ -2,7 +2,7 @@
 """scale: the per-file costs of an ImageNet-shaped tree, through cachefs and on local disk.
 
     python tools/scale.py [--files 200000] [--dirs 1000] [--file-size 2048] [--baseline DIR]
-                          [--workdir DIR] [--json FILE]
+                          [--serve-processes N[,N...]] [--repeat K] [--workdir DIR] [--json FILE]
 
 Makes (once, kept in --workdir) a tree of --files files in --dirs class directories
 (ImageNet-1k is 1,281,167 files in 1,000; --file-size bytes each, small by default so that a
@@ -21,6 +21,8 @@ older checkout, in the same run):
   idle       the daemon's CPU over --idle seconds of nothing, as a share of one core
 
 with the daemon's CPU per file (user + system of all its processes) beside each epoch.
+--serve-processes 0,1,2 adds passthrough mounts with that many serving processes each;
+--repeat K takes the median of K NVMe and K page-cache epochs per mount.
 Needs root (to drop the page cache). The local disk is the source, so these are the
 daemon's own costs; slowfs (tools/targets.py) measures a slow store.
 """
@@ -31,6 +33,7 @@ import argparse
 import os
 import random
 import shutil
+import statistics
 import sys
 import time
 
@@ -92,18 +95,28 @@ def pss(proc: psutil.Process) -> int:
 MODES = {"passthrough": ["--passthrough", "on"], "zero-message": ["--passthrough", "off"]}
 
 
+def median_epoch(runs: list[dict]) -> dict:
+    """The median of repeated epochs (files/s and CPU per file each), with every run kept."""
+    out = dict(runs[0])
+    out["files_per_s"] = statistics.median(r["files_per_s"] for r in runs)
+    if runs[0].get("cpu_ms_per_file") is not None:
+        out["cpu_ms_per_file"] = statistics.median(r["cpu_ms_per_file"] for r in runs)
+    out["runs"] = [(r["files_per_s"], r.get("cpu_ms_per_file")) for r in runs]
+    return out
+
+
 def measure_cachefs(args: argparse.Namespace, tree: str, rel: list[str], work: str, name: str, mode: str,
-                    baseline: str | None) -> dict:
+                    baseline: str | None, serve: str | None = None) -> dict:
     cache = os.path.join(work, f"cache-{name}")
     shutil.rmtree(cache, ignore_errors=True)
     mp = os.path.join(work, "mnt")
     out: dict = {}
-    extra = ["--metadata-ttl", "3600", *MODES[mode]]
+    extra = ["--metadata-ttl", "3600", *MODES[mode], *(["--serve-processes", serve] if serve is not None else [])]
     with mounted(tree, mp, cache, extra, baseline, ram=args.ram_size, disk=args.disk_size) as proc:
         out["scan_cold_s"] = scan(mp)[0]
         out["cold"] = epoch(mp, rel, 1, proc)
-        out["nvme"] = epoch(mp, rel, 2, proc)
-        out["pagecache"] = epoch(mp, rel, 3, proc, drop=False)
+        out["nvme"] = median_epoch([epoch(mp, rel, 10 + i, proc) for i in range(args.repeat)])
+        out["pagecache"] = median_epoch([epoch(mp, rel, 20 + i, proc, drop=False) for i in range(args.repeat)])
         out["pss_per_file"] = pss(proc) / len(rel)
         c0, t0 = cpu(proc), time.monotonic()
         time.sleep(args.idle)
@@ -127,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle", type=float, default=30.0, help="seconds of an idle mount measured")
     p.add_argument("--modes", default="passthrough", help="cachefs modes: passthrough, zero-message")
     p.add_argument("--baseline", metavar="DIR", help="also run the cachefs checkout in DIR")
+    p.add_argument("--serve-processes", metavar="N[,N...]",
+                   help="passthrough mounts with each of these --serve-processes, side by side")
+    p.add_argument("--repeat", type=int, default=1, help="NVMe and page-cache epochs per mount (median)")
     args = p.parse_args(argv)
     if not drop_caches():
         raise SystemExit("scale: needs root, to drop the page cache before each measurement")
@@ -140,6 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         for mode in args.modes.split(","):
             print(f"cachefs {mode}", file=sys.stderr)
             results[f"cachefs {mode}"] = measure_cachefs(args, tree, rel, work, mode, mode, None)
+        for n in args.serve_processes.split(",") if args.serve_processes else ():
+            print(f"cachefs passthrough, {n} serving processes", file=sys.stderr)
+            results[f"cachefs, {n} serving"] = measure_cachefs(args, tree, rel, work, f"serve{n}", "passthrough",
+                                                                None, serve=n)
         if args.baseline:
             mode = args.modes.split(",")[0]
             print(f"baseline ({mode})", file=sys.stderr)

@@ -122,7 +122,7 @@ def _ms(seconds: float) -> str:
     return f"{ms:.2f} ms" if ms < 10 else f"{ms:.0f} ms"
 
 
-def _opens_line(info: dict[str, Any], opens: dict[str, Any]) -> str:
+def _opens_line(info: dict[str, Any], opens: dict[str, Any], serve: dict[str, Any]) -> str:
     """How files are opened, and why not by passthrough where it is not."""
     mode = info.get("opens", "?")
     why = f" ({info['opens_why']})" if info.get("opens_why") else ""
@@ -130,6 +130,9 @@ def _opens_line(info: dict[str, Any], opens: dict[str, Any]) -> str:
         return f"opens      zero-message{why}: cached files are read from the kernel's page cache"
     counts = (f": {opens.get('passthrough') or 0} passed through to a cached file, {opens.get('daemon') or 0} "
               f"served by the daemon, {opens.get('filled') or 0} filled from the source first")
+    if serve.get("processes"):
+        counts += (f"; {serve['processes']} serving processes answered {serve.get('answered') or 0} requests "
+                   f"and handed {serve.get('forwarded') or 0} to the daemon")
     return f"opens      {mode}{why}{counts}"
 
 
@@ -173,7 +176,7 @@ def format_stats(snap: dict[str, Any]) -> str:
         f"{g(disk, 'checksum_failures')} checksum failures, {g(disk, 'errors')} errors",
         f"requests   {g(fuse, 'read')} reads, {g(fuse, 'getattr')} getattrs, {g(fuse, 'readdir')} readdirs, "
         f"{g(fuse, 'open')} opens reached the daemon; {g(fuse, 'errors')} errors",
-        _opens_line(info, snap.get("opens", {})),
+        _opens_line(info, snap.get("opens", {}), snap.get("serve", {})),
     ]
     hint = snap.get("hint", {})
     if g(hint, "sessions_opened"):

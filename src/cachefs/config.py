@@ -48,6 +48,19 @@ def default_fetch_processes() -> int:
     return max(1, min(4, (os.cpu_count() or 1) // 2))
 ROTATIONAL_PREFETCH_WORKERS = 8
 
+
+def default_serve_processes() -> int:
+    """Serving processes for passthrough opens and releases (cachefs/fuse/serve.py): one per
+    two cores, at least one, at most eight (docs/design.md: sizing)."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
+# Node ids the serving processes' table holds (4 bytes each, plus 4 per serving process,
+# in a sparse shared file: pages are touched only for the ids in use). Node ids are reused
+# after the kernel forgets them, so this bounds the nodes the kernel holds at once, not the
+# files of a tree; a node beyond it has its opens answered by the main process.
+NODE_TABLE_CAPACITY = 1 << 24
+
 # Metadata TTL (seconds) for stat results and directory listings, in cachefs and in the
 # kernel. Training data sets are immutable while a job runs; an hour keeps a whole epoch
 # from ever asking the source for metadata twice. Use --metadata-ttl 1 for a changing tree.
@@ -279,6 +292,7 @@ class Config:
     readahead: str = DEFAULT_READAHEAD
     prefetch_workers: int | None = None  # None: by the source's kind (see validate)
     fetch_processes: int | None = None  # None: default_fetch_processes(); 0 = fetch in the daemon
+    serve_processes: int | None = None  # None: default_serve_processes(); 0 = the daemon answers all
     warm: bool = False
     metrics_addr: str | None = None  # HOST:PORT of the Prometheus endpoint; None = off
     shared_cache: str | None = None  # memcached://HOST:PORT[,...]; None = no shared tier

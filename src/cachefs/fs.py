@@ -29,12 +29,13 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from cachefs.config import Config, backing_limit
+from cachefs.config import NODE_TABLE_CAPACITY, Config, backing_limit
 from cachefs.core import Core
 from cachefs.directio import OUT_OF_DESCRIPTORS, descriptor_limit, trim_descriptors
 from cachefs.errors import QUIET, to_errno
 from cachefs.fuse import protocol as p
 from cachefs.fuse.ops import Connection, DirItem, Entry, FuseError, Opened, Operations, Request, StatFs
+from cachefs.fuse.serve import OWN_FH, OpenTable, decode_report
 from cachefs.fuse.session import Session
 from cachefs.identity import Attr, FileId
 from cachefs.nodes import Backings, ErrorLog, NodeLocks, NodeOpen, Nodes, to_fuse_attr, version_of
@@ -126,6 +127,13 @@ class CachefsFS(Operations):
         self._ttl = config.metadata_ttl
         self._valid = p.split_timeout(config.metadata_ttl)
         self._negative_ttl = config.negative_ttl
+        # Serving processes (cachefs/fuse/serve.py): the table of published nodes, each
+        # entry's published node, and nodes to take back from the table (forgotten or
+        # dropped: see _reap_loop).
+        self._table: OpenTable | None = None
+        self._published: dict[bytes, int] = {}
+        self._unpublished: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+        self._reaper: threading.Thread | None = None
         core.hooks.connect(on_source_changed=self._source_changed)
 
     def _out_of_descriptors(self, exc: OSError) -> None:
@@ -168,8 +176,16 @@ class CachefsFS(Operations):
         if usable and self.session is not None:
             self.core.hooks.connect(passthrough=True)
             self._backings = Backings(self.session, backing_limit())
-            self.core.cache.on_drop(self._backings.dropped)
+            self.core.cache.on_drop(self._dropped)
             self.core.stats.gauge("opens.backing_files", lambda: len(self._backings or ()))
+            self._table = self.session.start_servers(self.config.serve_processes or 0, NODE_TABLE_CAPACITY)
+            if self._table is not None:
+                self._reaper = threading.Thread(target=self._reap_loop, name="cachefs-reap", daemon=True)
+                self._reaper.start()
+                log.info("serving processes: %d", self._table.processes)
+                alive = self.session.servers_alive
+                self.core.stats.gauge("serve.processes", lambda: sum(alive))
+                self.core.stats.gauge("serve.published", lambda: len(self._published))
         if mode == "on" and self.want_passthrough and not usable:
             why = ("the kernel does not offer it" if not conn.passthrough
                    else "this daemon may not register backing files (it needs CAP_SYS_ADMIN)")
@@ -202,6 +218,9 @@ class CachefsFS(Operations):
 
     def destroy(self) -> None:
         self._changed.put("")  # stops the invalidation thread
+        self._unpublished.put((0, False))  # and the serving processes' helper, before what it uses goes
+        if self._reaper is not None:
+            self._reaper.join(10)
         with self._opens_lock:
             opens, self._opens = self._opens, {}
         for state in opens.values():
@@ -265,8 +284,36 @@ class CachefsFS(Operations):
 
     def _entry(self, path: str, a: Attr) -> bytes:
         """The packed entry of a lookup that found `path`: the kernel counts it (FORGET)."""
-        return p.pack_entry_of(self.nodes.add(path, a), a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
+        nodeid = self.nodes.add(path, a)
+        if self._table is not None and a.is_file and nodeid not in self._opens:
+            self._publish_known(nodeid, FileId.of(path, a))
+        return p.pack_entry_of(nodeid, a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
                                a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
+
+    def _publish_known(self, nodeid: int, fid: FileId) -> None:
+        """A file looked up whose cached copy has a backing id already (opened in an earlier
+        epoch) is published before the kernel hears of the node: its opens and releases
+        then never reach this process (the serving processes count them)."""
+        assert self._backings is not None and self._table is not None
+        eid = self.core.entry_id(fid)
+        backing_id = self._backings.hold(eid + b"r")
+        if backing_id:
+            eid += b"r"
+        elif self.core.cache.in_ram(eid):
+            return  # promoted since: the open registers the RAM copy
+        else:
+            backing_id = self._backings.hold(eid)
+            if not backing_id:
+                return
+        with self._node_lock(nodeid):
+            if nodeid in self._opens or not self._table.publish(nodeid, backing_id):
+                self._backings.put(eid)
+                return
+            state = NodeOpen(fid)
+            state.refs, state.backing_id, state.eid, state.published = 0, backing_id, eid, True
+            with self._opens_lock:
+                self._opens[nodeid] = state
+            self._published[eid] = nodeid
 
     @_fuse_op
     def lookup_known(self, req: Request, parent: int, name: bytes) -> bytes | None:
@@ -277,7 +324,18 @@ class CachefsFS(Operations):
         return self._entry(path, a)
 
     def forget(self, nodeid: int, nlookup: int) -> None:
-        self.nodes.forget(nodeid, nlookup)
+        if not self.nodes.forget(nodeid, nlookup):
+            return
+        state = self._opens.get(nodeid)
+        if state is not None and state.published and self._table is not None:
+            self._table.unpublish(nodeid)
+            self._unpublished.put((nodeid, True))  # the id is reused once the table is done with it
+            return
+        if state is not None:  # no open is left of a node the kernel forgot
+            with self._opens_lock:
+                self._opens.pop(nodeid, None)
+            self._closed(state)
+        self.nodes.recycle(nodeid)
 
     @_fuse_op
     def getattr(self, req: Request, nodeid: int, fh: int | None) -> tuple[p.Attr, float]:
@@ -360,10 +418,13 @@ class CachefsFS(Operations):
                 # reads one version, whole
                 again, _ = self.core.open_file(state.fid, fill=False)  # counted as the tier's hits
                 state.refs += 1  # only once nothing can fail: a failed open gets no release
-                self._handles[fh] = state.fid
                 if again is not None:
                     again.release()
                 self.core.stats.incr("opens.passthrough")
+                if state.published:
+                    fh = OWN_FH | nodeid
+                else:
+                    self._handles[fh] = state.fid
                 return Opened(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, state.backing_id)
             state.refs += 1
             self._handles[fh] = fid
@@ -374,17 +435,23 @@ class CachefsFS(Operations):
             self._fetched[fh] = fetched
         state = NodeOpen(fid)
         if backing is not None:
-            eid = self.core.entry_id(fid)
             try:
                 assert self._backings is not None
                 state.backing_id = self._backings.get(backing)
-                state.backing, state.eid = backing, eid
+                state.backing, state.eid = backing, self._backings.key(backing)
             except OSError as exc:
                 backing.release()
                 self._backing_refused(exc)
         with self._opens_lock:
             self._opens[nodeid] = state
-        self._handles[fh] = fid
+        if state.backing_id and self._table is not None and self._table.publish(nodeid, state.backing_id):
+            # From now on the serving processes answer its opens and releases, until the
+            # kernel forgets the node or a tier drops the entry (see _reap).
+            state.published = True
+            self._published[state.eid] = nodeid
+            fh = OWN_FH | nodeid
+        else:
+            self._handles[fh] = fid
         if state.backing_id:
             self.core.stats.incr("opens.passthrough")
             return Opened(fh, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, state.backing_id)
@@ -420,14 +487,90 @@ class CachefsFS(Operations):
             if state is None:
                 return
             state.refs -= 1
-            if state.refs > 0:
+            if state.refs > 0 or state.published:  # published: the table holds the rest of the count
                 return
             with self._opens_lock:
                 del self._opens[nodeid]
+        self._closed(state)
+
+    def _closed(self, state: NodeOpen) -> None:
+        """The node's last open closed (or the node is gone): its backing file goes back."""
         if state.backing_id and self._backings is not None:
             self._backings.put(state.eid)
         if state.backing is not None:
             state.backing.release()
+
+    # -- serving processes (cachefs/fuse/serve.py) -------------------------------------------
+
+    def _dropped(self, eid: bytes) -> None:
+        """A tier dropped an entry: a node published with its file is taken back from the
+        serving processes first, then its backing id is closed (now, or at its last close)."""
+        for key in (eid, eid + b"r"):  # see Backings.key
+            nodeid = self._published.get(key)
+            if nodeid is not None and self._table is not None:
+                self._table.unpublish(nodeid)
+                self._unpublished.put((nodeid, False))
+        if self._backings is not None:
+            self._backings.dropped(eid)
+
+    def _reap_loop(self) -> None:
+        """Nodes unpublished (forgotten, or their entry dropped): once no serving process can
+        still be answering from their old slot (quiesce), their opens counted in the table are
+        folded into the main process's count. A forgotten node is then gone and its id free;
+        a dropped one lives until its last release, which the serving processes forward."""
+        table = self._table
+        assert table is not None and self.session is not None
+        while True:
+            batch = [self._unpublished.get()]
+            time.sleep(0.005)  # a batch forget comes as many: one wait for all of them
+            while not self._unpublished.empty():
+                batch.append(self._unpublished.get())
+            if any(nodeid == 0 for nodeid, _ in batch):
+                return
+            if not table.quiesce(self.session.servers_alive):
+                log.warning("a serving process did not finish a request within 5 s")
+            for nodeid, forgotten in batch:
+                self._take_back(table, nodeid, forgotten)
+
+    def _take_back(self, table: OpenTable, nodeid: int, forgotten: bool) -> None:
+        with self._node_lock(nodeid, refusable=False):
+            state = self._opens.get(nodeid)
+            if state is not None and state.published:
+                state.refs += table.take_counts(nodeid)
+                state.published = False
+                if self._published.get(state.eid) == nodeid:
+                    del self._published[state.eid]
+            if state is not None and (forgotten or state.refs <= 0):
+                with self._opens_lock:
+                    del self._opens[nodeid]
+            else:
+                state = None
+        if state is not None:
+            self._closed(state)
+        if forgotten:
+            self.nodes.recycle(nodeid)
+
+    def served(self, report: memoryview) -> None:
+        """A serving process's report: its requests counted, and the files it opened counted
+        as the tiers' hits (as an open this process answers counts them)."""
+        counts, opened = decode_report(report)
+        add = {"opens.passthrough": len(opened), "serve.forwarded": counts.pop("forwarded")[0]}
+        for kind, (n, micros) in counts.items():
+            add[f"fuse.{kind}"] = n
+            add[f"fuse.{kind}_us"] = micros
+        add["serve.answered"] = sum(n for n, _ in counts.values())
+        self.core.stats.add_many(add)
+        for nodeid in opened:
+            state = self._opens.get(nodeid)
+            if state is None:
+                continue
+            try:
+                again, _ = self.core.open_file(state.fid, fill=False)
+            except Exception as exc:  # counting only: it never fails a reader
+                log.debug("counting an open of %s failed: %s", state.fid.path, exc)
+                continue
+            if again is not None:
+                again.release()
 
     # -- extended attributes and the control interface -------------------------------------
 
@@ -449,6 +592,8 @@ class CachefsFS(Operations):
         if uid not in (self._owner, 0):
             raise FuseError(errno.EACCES)
         if name == XATTR_STATS:
+            if self.session is not None:
+                self.session.settle()  # the serving processes' opens counted first
             return json.dumps(self.core.stats.snapshot(), separators=(",", ":")).encode()
         if name == XATTR_INFO:
             return json.dumps(dict(self._info, pid=os.getpid())).encode()

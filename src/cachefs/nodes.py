@@ -113,12 +113,15 @@ class NodeOpen:
     """How the open files of one node are served: through one backing file (passthrough),
     or by the daemon (backing_id 0)."""
 
-    __slots__ = ("backing", "backing_id", "eid", "fid", "refs")
+    __slots__ = ("backing", "backing_id", "eid", "fid", "published", "refs")
 
     def __init__(self, fid: FileId):
         self.fid = fid
         self.refs = 1
         self.backing_id = 0
+        # In the serving processes' table (cachefs/fuse/serve.py): its opens may be answered
+        # by any process, and `refs` plus the table's counts are the opens outstanding.
+        self.published = False
         self.backing: Backing | None = None  # the cached file, held while the node is open
         self.eid = b""
 
@@ -134,20 +137,23 @@ class Backings:
     def __init__(self, session: Session, limit: int):
         self._session = session
         self._limit = limit
-        self._ids: dict[bytes, list] = {}  # eid -> [backing id, the held Backing, opens, doomed]
+        self._ids: dict[bytes, list] = {}  # key -> [backing id, the held Backing, opens, doomed]
         self._idle: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._lock = threading.Lock()
+
+    @staticmethod
+    def key(backing: Backing) -> bytes:
+        """Which copy a backing id stands for: an entry may be registered once per tier (a
+        file promoted to RAM is registered anew, so that the kernel reads the RAM copy)."""
+        return backing.eid + b"r" if backing.in_ram else backing.eid
 
     def get(self, backing: Backing) -> int:
         """A backing id for the cached file, counted as one more open. OSError if the
         kernel refuses it."""
-        eid = backing.eid
-        with self._lock:
-            rec = self._ids.get(eid)
-            if rec is not None and not rec[3]:
-                rec[2] += 1
-                self._idle.pop(eid, None)
-                return int(rec[0])
+        eid = self.key(backing)
+        known = self.hold(eid)
+        if known:
+            return known
         fd = os.open(backing.path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             backing_id = self._session.backing_open(fd)
@@ -164,6 +170,16 @@ class Backings:
             self._idle.pop(eid, None)
         self._close(backing_id, backing)
         return int(rec[0])
+
+    def hold(self, eid: bytes) -> int:
+        """The backing id registered under `key` if any (counted as one more open), else 0."""
+        with self._lock:
+            rec = self._ids.get(eid)
+            if rec is None or rec[3]:
+                return 0
+            rec[2] += 1
+            self._idle.pop(eid, None)
+            return int(rec[0])
 
     def put(self, eid: bytes) -> None:
         """An open of the entry's file closed."""
@@ -187,7 +203,12 @@ class Backings:
             self._close(r[0], r[1])
 
     def dropped(self, eid: bytes) -> None:
-        """The tier dropped the entry: close its id now, or at its last close."""
+        """A tier dropped the entry: close its ids now, or at their last close. (Which tier
+        is not said: a copy still kept in the other is registered again when opened.)"""
+        for key in (eid, eid + b"r"):
+            self._dropped(key)
+
+    def _dropped(self, eid: bytes) -> None:
         with self._lock:
             rec = self._ids.get(eid)
             if rec is None:
@@ -240,6 +261,7 @@ class Nodes:
         self._refs: dict[int, int] = {}
         self._versions: dict[int, Attr] = {}  # node id -> the file version it stands for
         self._next = itertools.count(p.ROOT_ID + 1)
+        self._free: list[int] = []  # ids the kernel forgot, to give out again (see recycle)
         self._lock = threading.Lock()
 
     def path(self, nodeid: int) -> str:
@@ -269,7 +291,7 @@ class Nodes:
                         known is None or version_of(known) != version_of(attr)):
                     nodeid = None  # another version: the old node stays with its holders
             if nodeid is None:
-                nodeid = next(self._next)
+                nodeid = self._free.pop() if self._free else next(self._next)
                 self._ids[path] = nodeid
                 self._paths[nodeid] = path
             if attr is not None and attr.is_file:
@@ -281,17 +303,27 @@ class Nodes:
     def id_of(self, path: str) -> int | None:
         return self._ids.get(path)
 
-    def forget(self, nodeid: int, count: int) -> None:
+    def forget(self, nodeid: int, count: int) -> bool:
+        """Take `count` of the kernel's references; True when that was the last of them (the
+        kernel no longer knows the id: its owner gives it back with recycle)."""
         with self._lock:
             left = self._refs.get(nodeid, 0) - count
             if left > 0:
                 self._refs[nodeid] = left
-                return
+                return False
             self._refs.pop(nodeid, None)
             self._versions.pop(nodeid, None)
             path = self._paths.pop(nodeid, None) if nodeid != p.ROOT_ID else None
             if path is not None and self._ids.get(path) == nodeid:
                 del self._ids[path]
+            return path is not None
+
+    def recycle(self, nodeid: int) -> None:
+        """Give out a forgotten node id again: ids stay as dense as the nodes the kernel
+        holds, which the serving processes' table is indexed by."""
+        with self._lock:
+            if nodeid not in self._paths:
+                self._free.append(nodeid)
 
     def __len__(self) -> int:
         return len(self._paths)

@@ -180,6 +180,10 @@ MOUNT_OPTIONS: tuple[Option, ...] = (
         help="processes that fetch small files from the source and write them to the NVMe "
         "tier when opens are passed through, beside the daemon's own threads; 0: the "
         "daemon does it itself (default: one per two cores, 1 to 4)"),
+    Option(AHEAD, "--serve-processes", type=int, metavar="N",
+        help="processes that answer the kernel's opens and releases of cached files when opens "
+        "are passed through, each on its own copy of the FUSE connection; 0: the daemon "
+        "answers every request itself (default: one per two cores, 1 to 8)"),
     Option(AHEAD, "--warm", action="store_true",
         help="load the whole source into the cache in the background, below the job's own reads"),
     Option(SHARED, "--shared-cache", type=checked_type(parse_servers, "--shared-cache"),

@@ -56,7 +56,7 @@ COUNTERS: tuple[str, ...] = (
     "prefetch.dropped", "prefetch.errors", "prefetch.dirs",
     "warm.files_loaded", "warm.bytes_loaded",
     "reads.requests", "reads.bytes", "reads.inflight_waits",
-    "opens.passthrough", "opens.daemon", "opens.fallback", "opens.filled",
+    "opens.passthrough", "opens.daemon", "opens.fallback", "opens.filled", "serve.answered", "serve.forwarded",
     "hint.sessions_opened", "hint.paths", "hint.from_ram", "hint.from_disk", "hint.from_source", "hint.bytes",
     "hint.from_shared", "hint.used", "hint.expired", "hint.skipped", "hint.window_full", "hint.errors",
     "hint.left_on_disk",
@@ -65,7 +65,7 @@ GAUGES: tuple[str, ...] = (
     "ram.used_bytes", "ram.capacity_bytes", "ram.entries", "ram.files",
     "disk.used_bytes", "disk.capacity_bytes", "disk.entries", "disk.files", "disk.suspended",
     "source.down", "source.background_limit", "metadata.entries", "prefetch.queued", "prefetch.unused",
-    "hint.sessions", "hint.pinned_bytes", "hint.queued", "opens.backing_files",
+    "hint.sessions", "hint.pinned_bytes", "hint.queued", "opens.backing_files", "serve.processes", "serve.published",
     "shared.servers_down", "shared.pending_bytes", "shared.servers",
 )
 HISTOGRAMS: tuple[str, ...] = tuple(f"source.{op}" for op in SOURCE_OPS)

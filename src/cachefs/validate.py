@@ -24,6 +24,7 @@ from cachefs.config import (
     ROTATIONAL_PREFETCH_WORKERS,
     Config,
     default_fetch_processes,
+    default_serve_processes,
     format_size,
 )
 from cachefs.errors import CachefsError
@@ -211,6 +212,10 @@ def _check_numbers(config: Config, src: str) -> None:
         config.fetch_processes = default_fetch_processes()
     if not 0 <= config.fetch_processes <= 64:
         raise CachefsError(f"--fetch-processes {config.fetch_processes} must be between 0 and 64")
+    if config.serve_processes is None:
+        config.serve_processes = default_serve_processes()
+    if not 0 <= config.serve_processes <= 64:
+        raise CachefsError(f"--serve-processes {config.serve_processes} must be between 0 and 64")
     if config.warm and config.prefetch_workers == 0:
         raise CachefsError("--warm needs --prefetch-workers of at least 1")
 

@@ -115,6 +115,10 @@ class Operations:
     def forget(self, nodeid: int, nlookup: int) -> None:
         pass
 
+    def served(self, report: memoryview) -> None:
+        """What the serving processes answered since their last report (cachefs/fuse/serve.py:
+        decode_report)."""
+
     def getattr(self, req: Request, nodeid: int, fh: int | None) -> tuple[p.Attr, float]:
         raise FuseError(errno.ENOSYS)
 

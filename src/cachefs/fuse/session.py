@@ -16,7 +16,11 @@ import errno
 import fcntl
 import logging
 import os
+import select
+import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -31,6 +35,7 @@ from cachefs.fuse.ops import (
     Operations,
     Request,
 )
+from cachefs.fuse.serve import ANSWERED, PENDING, REPORT, REPORTS, SEND_BUFFER, WAKE, OpenTable
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +94,18 @@ class Session(Handlers):
         self.destroyed = False
         self._handlers = self.handler_table()
         self._bufsize = max(8192, p.IN_HEADER.size + 80 + self.max_write, 256 << 10)
+        # Serving processes (start_servers): their descriptors (our copies, for replies to
+        # what they forward), the socket they forward on, and whether each is alive.
+        self.table: OpenTable | None = None
+        self.servers: list[subprocess.Popen[bytes]] = []
+        self.servers_alive: list[bool] = []
+        self._server_fds: list[int] = []
+        self.reports_done: list[int] = []  # per serving process: its reports counted
+        self._answered: list[int] = []  # per serving process: its forwarded requests answered
+        self._answer_lock = threading.Lock()
+        self._forwarding = False
+        self._rx: socket.socket | None = None
+        self._tx: socket.socket | None = None
 
     # -- life cycle --------------------------------------------------------------------------
 
@@ -153,7 +170,7 @@ class Session(Handlers):
             self._spawn()
 
     def _spawn(self) -> None:
-        fd = self.fd if not self._workers else self._clone_fd()
+        fd = self.fd if not self._workers or self._forwarding else self._clone_fd()
         self._fds.append(fd)
         t = threading.Thread(target=self._loop, args=(fd,), name=f"cachefs-fuse-{len(self._workers)}",
                              daemon=True)
@@ -210,6 +227,104 @@ class Session(Handlers):
             return self.fd
         return fd
 
+    def start_servers(self, count: int, capacity: int) -> OpenTable | None:
+        """Start `count` serving processes (cachefs/fuse/serve.py) before start(): each reads
+        a cloned descriptor of this connection and answers the opens and releases of the
+        nodes published in the returned table; this process's threads then answer what
+        they forward instead of reading /dev/fuse. None (and nothing started) where the
+        descriptor cannot be cloned."""
+        if count <= 0 or not self._clone:
+            return None
+        fds: list[int] = []
+        for _ in range(count):
+            fd = self._clone_fd()
+            if fd == self.fd:  # cloning failed: the threads share the first descriptor
+                for f in fds:
+                    os.close(f)
+                return None
+            fds.append(fd)
+        self._rx, self._tx = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        for sock, opt in ((self._rx, socket.SO_RCVBUF), (self._tx, socket.SO_SNDBUF)):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SEND_BUFFER)
+        table = OpenTable.create(capacity, count)
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env = dict(os.environ, PYTHONPATH=here + (os.pathsep + os.environ["PYTHONPATH"]
+                                                  if os.environ.get("PYTHONPATH") else ""))
+        for index, fd in enumerate(fds):
+            cmd = [sys.executable, "-m", "cachefs.fuse.serve", "--index", str(index), "--fuse-fd", str(fd),
+                   "--table-fd", str(table.fd), "--forward-fd", str(self._tx.fileno()),
+                   "--bufsize", str(self._bufsize)]
+            proc = subprocess.Popen(cmd, pass_fds=[fd, table.fd, self._tx.fileno()], stdin=subprocess.DEVNULL,
+                                    env=env)
+            self.servers.append(proc)
+            self.servers_alive.append(True)
+            self._server_fds.append(fd)
+            self.reports_done.append(0)
+            self._answered.append(0)
+            threading.Thread(target=self._watch_server, args=(index,), name=f"cachefs-serve-watch-{index}",
+                             daemon=True).start()
+        self.table = table
+        self._forwarding = True
+        return table
+
+    def _watch_server(self, index: int) -> None:
+        """When a serving process ends: at an unmount, the session stops; otherwise it is
+        logged, its requests in flight end with an error (its descriptor is closed; the
+        kernel then fails them with ECONNABORTED rather than leave callers waiting), and
+        when none is left this process reads /dev/fuse itself again."""
+        proc = self.servers[index]
+        code = proc.wait()
+        if self._stopped.is_set():
+            return
+        if self._connection_gone():
+            self.stop()
+            return
+        log.warning("serving process %d ended (exit status %s); its requests in flight failed, and the "
+                    "others (or this process) answer from now on", index, code)
+        self.servers_alive[index] = False
+        null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.dup2(null, self._server_fds[index])  # a reply still on its way goes nowhere
+        finally:
+            os.close(null)
+        if not any(self.servers_alive):
+            self._forwarding = False
+            self._wake(len(self._workers))
+
+    def settle(self, timeout: float = 1.0) -> bool:
+        """Wait until everything the serving processes answered so far is reported and
+        counted (their reports come every REPORT_EVERY requests or REPORT_AFTER seconds
+        idle): a stats reader then sees every open. False after `timeout`."""
+        table = self.table
+        if table is None:
+            return True
+        deadline = time.monotonic() + timeout
+        with self.blocking(refusable=False):  # another thread reads the reports meanwhile
+            while True:
+                if all(not alive or (table.line(k, PENDING) == 0 and table.line(k, REPORTS) == self.reports_done[k])
+                       for k, alive in enumerate(self.servers_alive)):
+                    return True
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.005)
+
+    def _connection_gone(self) -> bool:
+        """Whether the kernel ended the connection (unmounted or aborted): POLLERR on the
+        descriptor, without reading a request."""
+        poller = select.poll()
+        poller.register(self.fd, 0)
+        return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
+
+    def _wake(self, count: int) -> None:
+        """Wake `count` threads waiting for a forwarded request (to stop or to switch)."""
+        if self._tx is None:
+            return
+        for _ in range(count):
+            try:
+                self._tx.send(WAKE.to_bytes(4, "little"))
+            except OSError:
+                return
+
     def wait(self, poll: float = 0.5) -> None:
         """Block until every request thread has ended (the file system was unmounted). The
         main thread waits in short slices, so signal handlers keep running."""
@@ -230,6 +345,7 @@ class Session(Handlers):
         with self._cond:
             self._stopped.set()
             self._cond.notify_all()
+        self._wake(len(self._workers))
 
     def run(self) -> None:
         self.negotiate()
@@ -237,12 +353,23 @@ class Session(Handlers):
         self.wait()
 
     def close(self) -> None:
-        for fd in set(self._fds) - {self.fd}:
+        for proc in self.servers:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        for fd in (set(self._fds) | set(self._server_fds)) - {self.fd}:
             try:
                 os.close(fd)
             except OSError:
                 pass
         self._fds.clear()
+        self._server_fds.clear()
+        for sock in (self._rx, self._tx):
+            if sock is not None:
+                sock.close()
+        if self.table is not None:
+            self.table.close()
+            self.table = None
 
     # -- the request loop -------------------------------------------------------------------
 
@@ -283,6 +410,9 @@ class Session(Handlers):
                         break
                     self._active += 1
                     serving = True
+                if self._forwarding:
+                    self._forwarded(buf, view)
+                    continue
                 n = self._read_request(fd, buf)
                 if n is None:
                     break
@@ -295,6 +425,29 @@ class Session(Handlers):
                     self._active -= 1
                 stopped.set()
                 cond.notify_all()
+
+    def _forwarded(self, buf: bytearray, view: memoryview) -> None:
+        """One message from the serving processes: a request to answer on the descriptor it
+        was read from, or a report of what they answered."""
+        assert self._rx is not None
+        n = self._read_request(self._rx.fileno(), buf)
+        if n is None or n < 4:
+            return
+        index = int.from_bytes(buf[:4], "little")
+        if index & REPORT and index != WAKE:
+            try:
+                self.ops.served(view[4:n])
+            finally:
+                with self._cond:
+                    self.reports_done[index & ~REPORT] += 1
+        elif index < len(self._server_fds) and self.servers_alive[index]:
+            try:
+                self.handle(self._server_fds[index], view[4:n])
+            finally:
+                with self._answer_lock:  # the serving process reads on while few wait (MAX_FORWARDED)
+                    self._answered[index] += 1
+                    if self.table is not None:
+                        self.table.set_line(index, ANSWERED, self._answered[index])
 
     def handle(self, fd: int, message: memoryview) -> None:
         """Answer one request (a whole message as the kernel wrote it)."""

@@ -301,6 +301,10 @@ class MultiLevelCache:
         found = self.acquire_backing(eid)
         return found, found is not None and found.in_ram and not promoted  # a promoted file came from NVMe
 
+    def in_ram(self, eid: bytes) -> bool:
+        """Whether the RAM tier holds the file version whole."""
+        return self.ram.backing_file(eid) is not None
+
     def acquire_backing(self, eid: bytes) -> Backing | None:
         """The file version's complete copy, RAM first, held until released; None if no
         tier has it whole (or its check after a restart fails)."""

@@ -1,0 +1,180 @@
+"""Serving processes on a real mount (passthrough mode): opens and releases of cached files
+answered by processes beside the daemon, from the table it publishes. Bytes, counts, a
+serving process killed, and entries dropped while the kernel still knows their nodes."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import random
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.helpers import stats
+
+MiB = 1 << 20
+
+
+def make_tree(src, dirs=3, files=40):
+    data = {}
+    rng = random.Random(7)
+    for d in range(dirs):
+        (src / f"c{d}").mkdir(parents=True)
+        for i in range(files):
+            rel = f"c{d}/{i:03d}.jpg"
+            data[rel] = os.urandom(rng.choice([0, 1, 4095, 4096, 20_000, 70_000]))
+            (src / rel).write_bytes(data[rel])
+    return data
+
+
+def epoch(mp, data, seed):
+    names = sorted(data)
+    random.Random(seed).shuffle(names)
+    for rel in names:
+        with open(mp / rel, "rb") as f:
+            assert f.read() == data[rel], rel
+
+
+def serving(mp):
+    """The daemon's serving processes."""
+    daemon = psutil.Process(stats(mp)["info"]["pid"])
+    return [c for c in daemon.children() if "cachefs.fuse.serve" in " ".join(c.cmdline())]
+
+
+def passthrough_mount(mounts, src, *extra):
+    mp = mounts.cachefs(str(src), extra=["--passthrough", "on", *extra])
+    if stats(mp)["info"]["opens"] != "passthrough":
+        pytest.skip("this kernel or user cannot use FUSE passthrough")
+    return mp
+
+
+def test_serving_processes_answer_the_opens_of_cached_files_and_count_them(tmp_path, mounts):
+    src = tmp_path / "src"
+    data = make_tree(src)
+    mp = passthrough_mount(mounts, src, "--serve-processes", "2")
+    assert len(serving(mp)) == 2
+    epoch(mp, data, 1)
+    first = stats(mp)
+    assert first["serve"]["processes"] == 2
+    epoch(mp, data, 2)
+    epoch(mp, data, 3)
+    third = stats(mp)  # counted by the time stats answer: the serving processes' reports settle first
+    n = len(data)
+    cached = sum(1 for blob in data.values() if blob)  # an empty file is the daemon's (nothing to pass through)
+    assert third["serve"]["answered"] - first["serve"]["answered"] >= 2 * cached  # an open and a release each
+    assert third["opens"]["passthrough"] - first["opens"]["passthrough"] == 2 * cached
+    assert third["fuse"]["open"] - first["fuse"]["open"] == 2 * n
+    assert third["fuse"]["release"] - first["fuse"]["release"] == 2 * n
+    hits = (third["ram"]["hits"] + third["disk"]["hits"]) - (first["ram"]["hits"] + first["disk"]["hits"])
+    assert hits == 2 * cached  # every file is one block
+    assert third["fuse"]["read"] == first["fuse"]["read"]  # the kernel read the cached files itself
+    assert third["fuse"].get("errors", 0) == 0
+
+
+def test_a_killed_serving_process_leaves_the_mount_serving(tmp_path, mounts):
+    src = tmp_path / "src"
+    data = make_tree(src, dirs=2, files=30)
+    mp = passthrough_mount(mounts, src, "--serve-processes", "2")
+    epoch(mp, data, 1)
+    servers = serving(mp)
+    servers[0].send_signal(signal.SIGKILL)
+    servers[0].wait(10)
+    epoch(mp, data, 2)
+    assert stats(mp)["serve"]["processes"] == 1
+    servers[1].send_signal(signal.SIGKILL)
+    servers[1].wait(10)
+    epoch(mp, data, 3)  # the daemon reads /dev/fuse itself again
+    s = stats(mp)
+    assert s["serve"]["processes"] == 0 and s["fuse"].get("errors", 0) == 0
+    log = (tmp_path / "cache" / "cachefs.log").read_text()
+    assert "serving process 0 ended" in log and "serving process 1 ended" in log
+
+
+def test_entries_dropped_under_published_nodes_are_served_right_and_their_ids_closed(tmp_path, mounts):
+    """A tier evicts entries the kernel still knows nodes of (their opens were answered by
+    the serving processes): the node is taken back, the next open is the daemon's (and
+    fetches again), an open handle keeps its bytes, and no backing id outlives its entry."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = {}
+    for i in range(48):
+        data[f"f{i:03d}"] = os.urandom(128 << 10)
+        (src / f"f{i:03d}").write_bytes(data[f"f{i:03d}"])
+    mp = passthrough_mount(mounts, src, "--ram-size", "1MiB", "--disk-size", "2MiB", "--min-free", "0",
+                           "--policy", "lru", "--readahead", "off", "--serve-processes", "1")
+    held = open(mp / "f000", "rb")
+    try:
+        for seed in range(3):
+            epoch(mp, data, seed)
+        assert held.read() == data["f000"]
+    finally:
+        held.close()
+    deadline = time.monotonic() + 5
+    while True:
+        s = stats(mp)
+        if s["opens"]["backing_files"] <= s["ram"]["files"] + s["disk"]["files"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert s["disk"]["evictions"] > 0 and s["serve"]["answered"] > 0
+    assert s["opens"]["backing_files"] <= s["ram"]["files"] + s["disk"]["files"], s["opens"]
+    assert s["fuse"].get("errors", 0) == 0
+
+
+
+def resident_pages(root) -> int:
+    """Pages of the files under `root` in the page cache (mmap and mincore; nothing read)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            path = os.path.join(dirpath, name)
+            size = os.path.getsize(path)
+            if not size:
+                continue
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+                assert addr not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+                vec = ctypes.create_string_buffer(-(-size // mmap.PAGESIZE))
+                try:
+                    assert libc.mincore(addr, size, vec) == 0, ctypes.get_errno()
+                finally:
+                    libc.munmap(addr, size)
+                total += sum(b & 1 for b in vec.raw)
+            finally:
+                os.close(fd)
+    return total
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_a_file_promoted_to_ram_is_read_from_ram_by_the_kernel(tmp_path, mounts):
+    """RAM takes a file from NVMe at its second open; once the kernel has forgotten its node,
+    opens pass the RAM copy through, not the NVMe one registered before (the NVMe files'
+    pages stay out of the page cache)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = {f"f{i:02d}": os.urandom(20_000 + i) for i in range(40)}
+    for name, blob in data.items():
+        (src / name).write_bytes(blob)
+    mp = passthrough_mount(mounts, src, "--ram-size", "64MiB", "--readahead", "off", "--serve-processes", "1")
+    epoch(mp, data, 1)  # fetched whole at open, into NVMe
+    epoch(mp, data, 2)  # RAM takes each
+    assert stats(mp)["ram"]["promotions"] == len(data)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")  # the kernel forgets the nodes too
+    deadline = time.monotonic() + 10
+    while stats(mp)["serve"]["published"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # a node looked up again before its FORGET arrived would keep its copy
+    assert stats(mp)["serve"]["published"] == 0
+    epoch(mp, data, 3)
+    assert resident_pages(tmp_path / "cache" / "store" / "data") == 0
+    s = stats(mp)
+    assert s["ram"]["hits"] >= len(data) and s["fuse"].get("errors", 0) == 0

@@ -1,0 +1,227 @@
+"""Serving processes (cachefs/fuse/serve.py) without a mount: the shared open table, and a
+serving loop against a fake kernel (a SOCK_SEQPACKET socket pair delivers one message per
+read, as /dev/fuse does). The real thing, several processes on one mount, is in
+tests/fuse/test_serve_mount.py."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import threading
+
+import pytest
+
+from cachefs.fuse import protocol as p
+from cachefs.fuse.serve import (
+    ANSWERED,
+    MAX_FORWARDED,
+    OWN_FH,
+    REPORT,
+    REPORT_EVERY,
+    OpenTable,
+    Server,
+    decode_report,
+)
+from cachefs.nodes import Nodes
+
+O_RDONLY = os.O_RDONLY
+
+
+@pytest.fixture
+def table():
+    t = OpenTable.create(capacity=1024, processes=2)
+    yield t
+    t.close()
+
+
+def test_published_nodes_and_open_counts(table):
+    assert table.publish(5, 7)
+    assert not table.publish(1024, 7) and not table.publish(0, 7)  # beyond the table: the main process's
+    other = OpenTable.attach(os.dup(table.fd))  # another process's view of the same memory
+    try:
+        assert other.slots[5] == 7 and other.capacity == 1024 and other.processes == 2
+        other.counts(0)[5] += 2
+        other.counts(1)[5] -= 1  # a release read by another process than its open
+    finally:
+        other.close()
+    table.unpublish(5)
+    assert table.slots[5] == 0
+    assert table.quiesce([True, True])
+    assert table.take_counts(5) == 1
+    assert table.take_counts(5) == 0  # zeroed: the id may be given out again
+
+
+def test_quiesce_waits_for_a_request_in_progress(table):
+    step = 64 // 8
+    table.busy[1 * step] = 3  # process 1 is answering a request
+    assert not table.quiesce([True, True], timeout=0.05)
+    assert table.quiesce([True, False], timeout=0.05)  # a dead process is not waited for
+    threading.Timer(0.05, lambda: table.busy.__setitem__(step, 4)).start()
+    assert table.quiesce([True, True], timeout=5)
+
+
+class FakeKernel:
+    """A serving process's view of /dev/fuse, and the main process's forward socket."""
+
+    def __init__(self, table: OpenTable):
+        self.kernel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self.main, fwd = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.server = Server(0, theirs.fileno(), table, fwd, 1 << 16)
+        self._keep = (theirs, fwd)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.result: list[int] = []
+        self.unique = 0
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.result.append(self.server.run())
+
+    def send(self, opcode: int, nodeid: int, payload: bytes = b"") -> int:
+        self.unique += 1
+        size = p.IN_HEADER.size + len(payload)
+        self.kernel.send(p.IN_HEADER.pack(size, opcode, self.unique, nodeid, 0, 0, 4242, 0, 0) + payload)
+        return self.unique
+
+    def reply(self) -> tuple[int, int, bytes]:
+        self.kernel.settimeout(5)
+        data = self.kernel.recv(1 << 16)
+        length, error, unique = p.OUT_HEADER.unpack_from(data)
+        assert length == len(data)
+        return unique, error, data[p.OUT_HEADER.size:]
+
+    def forwarded(self) -> bytes:
+        self.main.settimeout(5)
+        return self.main.recv(1 << 16)
+
+    def close(self) -> None:
+        self.kernel.close()
+        self.thread.join(5)
+        for s in self._keep:
+            s.close()
+
+
+def open_in(flags: int) -> bytes:
+    return p.OPEN_IN.pack(flags, 0)
+
+
+def release_in(fh: int) -> bytes:
+    return p.RELEASE_IN.pack(fh, 0, 0, 0)
+
+
+def test_a_serving_process_answers_published_nodes_and_forwards_the_rest(table):
+    table.publish(5, 9)
+    k = FakeKernel(table)
+    try:
+        u = k.send(p.IOCTL, 5, b"\0" * 32)
+        assert k.reply() == (u, -errno.ENOTTY, b"")
+        u = k.send(p.OPEN, 5, open_in(O_RDONLY))
+        unique, error, out = k.reply()
+        assert (unique, error) == (u, 0)
+        assert p.OPEN_OUT.unpack(out) == (OWN_FH | 5, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, 9)
+        assert table.counts(0)[5] == 1
+        u = k.send(p.OPEN, 5, open_in(os.O_WRONLY))
+        assert k.reply() == (u, -errno.EROFS, b"")
+        assert table.counts(0)[5] == 1
+        u = k.send(p.MKDIR, 1, b"\0" * 8 + b"new\0")
+        assert k.reply() == (u, -errno.EROFS, b"")
+        # not published: the request goes to the main process as it was read
+        k.send(p.OPEN, 6, open_in(O_RDONLY))
+        message = k.forwarded()
+        assert message[:4] == (0).to_bytes(4, "little")
+        assert p.IN_HEADER.unpack_from(message, 4)[:4] == (p.IN_HEADER.size + 8, p.OPEN, k.unique, 6)
+        # a release of a handle the main process gave out (no OWN_FH) is the main process's too
+        k.send(p.RELEASE, 5, release_in(77))
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.RELEASE
+        u = k.send(p.RELEASE, 5, release_in(OWN_FH | 5))
+        assert k.reply() == (u, 0, b"")
+        assert table.counts(0)[5] == 0
+        k.send(p.LOOKUP, 1, b"name\0")
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
+        # idle now: what it answered is reported
+        report = k.forwarded()
+        assert report[:4] == REPORT.to_bytes(4, "little")
+        counts, opened = decode_report(memoryview(report)[4:])
+        assert {kind: n for kind, (n, _) in counts.items()} == {"open": 2, "release": 1, "other": 2, "forwarded": 3}
+        assert list(opened) == [5]
+    finally:
+        k.close()
+    assert k.result == [0]
+
+
+def test_an_unpublished_node_goes_to_the_main_process_even_for_its_own_handles(table):
+    """A node taken back (forgotten, or its entry dropped): its opens and the releases of
+    the handles the serving processes gave out are counted by the main process from then on."""
+    table.publish(5, 9)
+    k = FakeKernel(table)
+    try:
+        k.send(p.OPEN, 5, open_in(O_RDONLY))
+        k.reply()
+        table.unpublish(5)
+        k.send(p.RELEASE, 5, release_in(OWN_FH | 5))
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.RELEASE
+        k.send(p.OPEN, 5, open_in(O_RDONLY))
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.OPEN
+        assert table.quiesce([True, True])
+        assert table.take_counts(5) == 1  # the open it answered, folded into the main process's count
+    finally:
+        k.close()
+
+
+def test_node_ids_are_reused_only_once_given_back():
+    nodes = Nodes()
+    a = nodes.add("/a")
+    b = nodes.add("/b")
+    assert nodes.forget(a, 0) is False  # a count of 0 takes nothing
+    nodes.add("/a")  # a second lookup
+    assert nodes.forget(a, 1) is False  # one reference left
+    assert nodes.forget(a, 1) is True
+    assert nodes.forget(a, 1) is False  # unknown now
+    c = nodes.add("/c")
+    assert c not in (a, b)  # not given back yet (the serving processes' table may hold it)
+    nodes.recycle(a)
+    nodes.recycle(b)  # still known: not reused
+    d = nodes.add("/d")
+    assert d == a and nodes.path(d) == "/d"
+    assert nodes.add("/e") not in (a, b, c, d)
+
+
+def test_a_full_batch_is_reported_without_waiting_for_an_idle_moment(table, monkeypatch):
+    monkeypatch.setattr("cachefs.fuse.serve.REPORT_AFTER", 3600.0)  # never idle long enough
+    k = FakeKernel(table)
+    try:
+        for _ in range(REPORT_EVERY + 1):
+            k.send(p.IOCTL, 5, b"")
+            k.reply()
+        counts, _ = decode_report(memoryview(k.forwarded())[4:])
+        assert counts["other"][0] == REPORT_EVERY
+    finally:
+        k.close()
+
+
+def test_a_serving_process_stops_reading_while_its_forwarded_requests_wait(table):
+    """A request handed to a file system cannot be killed until it is answered: while the
+    main process does not answer (hung, or stopped) a serving process reads no more than
+    MAX_FORWARDED, and the rest stay with the kernel."""
+    k = FakeKernel(table)
+    try:
+        for _ in range(MAX_FORWARDED + 2):
+            k.send(p.LOOKUP, 1, b"name\0")
+        got = [k.forwarded() for _ in range(MAX_FORWARDED)]
+        assert len(got) == MAX_FORWARDED
+        k.main.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            k.main.recv(1 << 16)
+        table.set_line(0, ANSWERED, 1)  # the main process answered one
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
+        k.main.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            k.main.recv(1 << 16)
+        k.server.main_stopped = True  # stopped: nothing more is read, whatever the count
+        table.set_line(0, ANSWERED, MAX_FORWARDED + 2)
+        with pytest.raises(TimeoutError):
+            k.main.recv(1 << 16)
+        k.server.main_stopped = False
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
+    finally:
+        k.close()
