@@ -21,7 +21,7 @@ LAYERS = [
     ("core parts", {"metadata", "blockpath", "fetcher", "fills", "dirahead"}),
     ("core", {"core"}),
     ("features", {"hints", "warm", "coverage", "control", "metrics"}),
-    ("file system", {"nodes", "fs"}),
+    ("file system", {"nodes", "published", "fs"}),
     ("daemon and command line", {"daemon", "validate", "mount", "watch", "options", "cli", "mounthelper",
                                  "__main__"}),
 ]

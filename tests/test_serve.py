@@ -7,14 +7,18 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import socket
+import subprocess
 import threading
+import time
 
 import pytest
 
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import (
     ANSWERED,
+    MAIN_CHECK,
     MAX_FORWARDED,
     OWN_FH,
     REPORT,
@@ -204,6 +208,8 @@ def test_a_serving_process_stops_reading_while_its_forwarded_requests_wait(table
     main process does not answer (hung, or stopped) a serving process reads no more than
     MAX_FORWARDED, and the rest stay with the kernel."""
     k = FakeKernel(table)
+    stopped = subprocess.Popen(["sleep", "60"])
+    stopped.send_signal(signal.SIGSTOP)
     try:
         for _ in range(MAX_FORWARDED + 2):
             k.send(p.LOOKUP, 1, b"name\0")
@@ -217,11 +223,14 @@ def test_a_serving_process_stops_reading_while_its_forwarded_requests_wait(table
         k.main.settimeout(0.3)
         with pytest.raises(TimeoutError):
             k.main.recv(1 << 16)
-        k.server.main_stopped = True  # stopped: nothing more is read, whatever the count
+        k.server.main_pid = stopped.pid  # stopped: nothing more is read, whatever the count
+        time.sleep(2 * MAIN_CHECK)  # (the server looks again once its last look is this old)
         table.set_line(0, ANSWERED, MAX_FORWARDED + 2)
         with pytest.raises(TimeoutError):
             k.main.recv(1 << 16)
-        k.server.main_stopped = False
+        stopped.send_signal(signal.SIGCONT)
         assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
     finally:
         k.close()
+        stopped.kill()
+        stopped.wait()

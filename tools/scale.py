@@ -138,7 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ram-size", default="1GiB")
     p.add_argument("--disk-size", default="32GiB")
     p.add_argument("--idle", type=float, default=30.0, help="seconds of an idle mount measured")
-    p.add_argument("--modes", default="passthrough", help="cachefs modes: passthrough, zero-message")
+    p.add_argument("--modes", default="passthrough",
+                   help="cachefs modes: passthrough, zero-message; empty for none (with --serve-processes)")
     p.add_argument("--baseline", metavar="DIR", help="also run the cachefs checkout in DIR")
     p.add_argument("--serve-processes", metavar="N[,N...]",
                    help="passthrough mounts with each of these --serve-processes, side by side")
@@ -153,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         local = {"scan_cold_s": scan(tree)[0], "cold": epoch(tree, rel, 1, None),
                  "pagecache": epoch(tree, rel, 3, None, drop=False)}
         results = {"local disk": local}
-        for mode in args.modes.split(","):
+        for mode in filter(None, args.modes.split(",")):
             print(f"cachefs {mode}", file=sys.stderr)
             results[f"cachefs {mode}"] = measure_cachefs(args, tree, rel, work, mode, mode, None)
         for n in args.serve_processes.split(",") if args.serve_processes else ():

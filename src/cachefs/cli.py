@@ -131,7 +131,8 @@ def _opens_line(info: dict[str, Any], opens: dict[str, Any], serve: dict[str, An
     counts = (f": {opens.get('passthrough') or 0} passed through to a cached file, {opens.get('daemon') or 0} "
               f"served by the daemon, {opens.get('filled') or 0} filled from the source first")
     if serve.get("processes"):
-        counts += (f"; {serve['processes']} serving processes answered {serve.get('answered') or 0} requests "
+        n = serve["processes"]
+        counts += (f"; {n} serving process{'es' if n != 1 else ''} answered {serve.get('answered') or 0} requests "
                    f"and handed {serve.get('forwarded') or 0} to the daemon")
     return f"opens      {mode}{why}{counts}"
 

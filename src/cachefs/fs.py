@@ -35,10 +35,11 @@ from cachefs.directio import OUT_OF_DESCRIPTORS, descriptor_limit, trim_descript
 from cachefs.errors import QUIET, to_errno
 from cachefs.fuse import protocol as p
 from cachefs.fuse.ops import Connection, DirItem, Entry, FuseError, Opened, Operations, Request, StatFs
-from cachefs.fuse.serve import OWN_FH, OpenTable, decode_report
+from cachefs.fuse.serve import OWN_FH, OpenTable
 from cachefs.fuse.session import Session
 from cachefs.identity import Attr, FileId
 from cachefs.nodes import Backings, ErrorLog, NodeLocks, NodeOpen, Nodes, to_fuse_attr, version_of
+from cachefs.published import Published
 from cachefs.stats import FUSE_OPS
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def _fuse_op(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class CachefsFS(Operations):
+class CachefsFS(Published, Operations):
     """The file system cachefs mounts: a read-only mirror of the source through the core."""
 
     want_readdirplus = True
@@ -284,36 +285,11 @@ class CachefsFS(Operations):
 
     def _entry(self, path: str, a: Attr) -> bytes:
         """The packed entry of a lookup that found `path`: the kernel counts it (FORGET)."""
-        nodeid = self.nodes.add(path, a)
+        nodeid, new = self.nodes.looked_up(path, a)
         if self._table is not None and a.is_file and nodeid not in self._opens:
-            self._publish_known(nodeid, FileId.of(path, a))
+            self._publish_known(nodeid, FileId.of(path, a), new)
         return p.pack_entry_of(nodeid, a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
                                a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
-
-    def _publish_known(self, nodeid: int, fid: FileId) -> None:
-        """A file looked up whose cached copy has a backing id already (opened in an earlier
-        epoch) is published before the kernel hears of the node: its opens and releases
-        then never reach this process (the serving processes count them)."""
-        assert self._backings is not None and self._table is not None
-        eid = self.core.entry_id(fid)
-        backing_id = self._backings.hold(eid + b"r")
-        if backing_id:
-            eid += b"r"
-        elif self.core.cache.in_ram(eid):
-            return  # promoted since: the open registers the RAM copy
-        else:
-            backing_id = self._backings.hold(eid)
-            if not backing_id:
-                return
-        with self._node_lock(nodeid):
-            if nodeid in self._opens or not self._table.publish(nodeid, backing_id):
-                self._backings.put(eid)
-                return
-            state = NodeOpen(fid)
-            state.refs, state.backing_id, state.eid, state.published = 0, backing_id, eid, True
-            with self._opens_lock:
-                self._opens[nodeid] = state
-            self._published[eid] = nodeid
 
     @_fuse_op
     def lookup_known(self, req: Request, parent: int, name: bytes) -> bytes | None:
@@ -499,78 +475,6 @@ class CachefsFS(Operations):
             self._backings.put(state.eid)
         if state.backing is not None:
             state.backing.release()
-
-    # -- serving processes (cachefs/fuse/serve.py) -------------------------------------------
-
-    def _dropped(self, eid: bytes) -> None:
-        """A tier dropped an entry: a node published with its file is taken back from the
-        serving processes first, then its backing id is closed (now, or at its last close)."""
-        for key in (eid, eid + b"r"):  # see Backings.key
-            nodeid = self._published.get(key)
-            if nodeid is not None and self._table is not None:
-                self._table.unpublish(nodeid)
-                self._unpublished.put((nodeid, False))
-        if self._backings is not None:
-            self._backings.dropped(eid)
-
-    def _reap_loop(self) -> None:
-        """Nodes unpublished (forgotten, or their entry dropped): once no serving process can
-        still be answering from their old slot (quiesce), their opens counted in the table are
-        folded into the main process's count. A forgotten node is then gone and its id free;
-        a dropped one lives until its last release, which the serving processes forward."""
-        table = self._table
-        assert table is not None and self.session is not None
-        while True:
-            batch = [self._unpublished.get()]
-            time.sleep(0.005)  # a batch forget comes as many: one wait for all of them
-            while not self._unpublished.empty():
-                batch.append(self._unpublished.get())
-            if any(nodeid == 0 for nodeid, _ in batch):
-                return
-            if not table.quiesce(self.session.servers_alive):
-                log.warning("a serving process did not finish a request within 5 s")
-            for nodeid, forgotten in batch:
-                self._take_back(table, nodeid, forgotten)
-
-    def _take_back(self, table: OpenTable, nodeid: int, forgotten: bool) -> None:
-        with self._node_lock(nodeid, refusable=False):
-            state = self._opens.get(nodeid)
-            if state is not None and state.published:
-                state.refs += table.take_counts(nodeid)
-                state.published = False
-                if self._published.get(state.eid) == nodeid:
-                    del self._published[state.eid]
-            if state is not None and (forgotten or state.refs <= 0):
-                with self._opens_lock:
-                    del self._opens[nodeid]
-            else:
-                state = None
-        if state is not None:
-            self._closed(state)
-        if forgotten:
-            self.nodes.recycle(nodeid)
-
-    def served(self, report: memoryview) -> None:
-        """A serving process's report: its requests counted, and the files it opened counted
-        as the tiers' hits (as an open this process answers counts them)."""
-        counts, opened = decode_report(report)
-        add = {"opens.passthrough": len(opened), "serve.forwarded": counts.pop("forwarded")[0]}
-        for kind, (n, micros) in counts.items():
-            add[f"fuse.{kind}"] = n
-            add[f"fuse.{kind}_us"] = micros
-        add["serve.answered"] = sum(n for n, _ in counts.values())
-        self.core.stats.add_many(add)
-        for nodeid in opened:
-            state = self._opens.get(nodeid)
-            if state is None:
-                continue
-            try:
-                again, _ = self.core.open_file(state.fid, fill=False)
-            except Exception as exc:  # counting only: it never fails a reader
-                log.debug("counting an open of %s failed: %s", state.fid.path, exc)
-                continue
-            if again is not None:
-                again.release()
 
     # -- extended attributes and the control interface -------------------------------------
 

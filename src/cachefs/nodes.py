@@ -283,6 +283,12 @@ class Nodes:
     def add(self, path: str, attr: Attr | None = None) -> int:
         """The node id of `path` as `attr` describes it, with one more reference from the
         kernel: a new id when a regular file is not the version its node stands for."""
+        return self.looked_up(path, attr)[0]
+
+    def looked_up(self, path: str, attr: Attr | None = None) -> tuple[int, bool]:
+        """add(), and whether the id is new: the kernel has not heard of it yet (no request
+        can name it until this lookup is answered)."""
+        new = False
         with self._lock:
             nodeid = self._ids.get(path)
             if nodeid is not None and attr is not None:
@@ -294,11 +300,12 @@ class Nodes:
                 nodeid = self._free.pop() if self._free else next(self._next)
                 self._ids[path] = nodeid
                 self._paths[nodeid] = path
+                new = True
             if attr is not None and attr.is_file:
                 self._versions[nodeid] = attr
             if nodeid != p.ROOT_ID:
                 self._refs[nodeid] = self._refs.get(nodeid, 0) + 1
-            return nodeid
+            return nodeid, new
 
     def id_of(self, path: str) -> int | None:
         return self._ids.get(path)

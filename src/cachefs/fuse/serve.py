@@ -44,7 +44,6 @@ import signal
 import socket
 import struct
 import sys
-import threading
 import time
 from array import array
 
@@ -73,7 +72,7 @@ _LINE = 64                                 # each process's busy counter on a ca
 # process writes ANSWERED, the serving process the others)
 BUSY, PENDING, REPORTS, FORWARDED, ANSWERED = 0, 1, 2, 3, 4
 MAX_FORWARDED = 64        # requests forwarded and not answered yet, per serving process
-MAIN_CHECK = 0.05         # seconds between looks at whether the main process is stopped
+MAIN_CHECK = 0.05         # seconds a look at whether the main process is stopped stays good
 
 
 class OpenTable:
@@ -201,7 +200,8 @@ class Server:
         self.opened = array("I")
         self.stats = [0] * (2 * len(REPORT_COUNTS))
         self.answered = 0
-        self.main_stopped = False  # see watch_main
+        self.main_pid: int | None = None  # whose stop holds the reading (see main_stopped)
+        self._stat_fd = -1
 
     # Long (74 lines) for a reason: the hot loop, one function so that its names stay local
     def run(self) -> int:
@@ -222,12 +222,16 @@ class Server:
         stats, opened = self.stats, self.opened
         poller = select.poll()
         poller.register(fd, select.POLLIN)
+        checked, stopped = -1.0, False
         while True:
             if not poller.poll(REPORT_AFTER * 1000 if self.answered else None):
                 self.report()  # idle: what is pending goes now, so stats are never stale
                 continue
-            if self.main_stopped or busy[step + FORWARDED] - busy[step + ANSWERED] >= MAX_FORWARDED:
-                time.sleep(0.002)  # the request stays with the kernel, where its caller can be killed
+            now = time.monotonic()
+            if now - checked > MAIN_CHECK:  # a request waits: is the main process there to answer?
+                checked, stopped = now, self.main_stopped()
+            if stopped or busy[step + FORWARDED] - busy[step + ANSWERED] >= MAX_FORWARDED:
+                time.sleep(0.02 if stopped else 0.002)  # the request stays with the kernel, killable
                 continue
             try:
                 n = os.readv(fd, [buf])
@@ -289,20 +293,20 @@ class Server:
                 if self.answered >= REPORT_EVERY:
                     self.report()
 
-    def watch_main(self, pid: int) -> None:
-        """In a thread: whether the main process is stopped, every MAIN_CHECK seconds."""
+    def main_stopped(self) -> bool:
+        """Whether the main process is stopped (its state in /proc: T, or t under a
+        debugger). Looked at when a request waits, at most every MAIN_CHECK seconds: an
+        idle serving process wakes for nothing."""
+        if self.main_pid is None:
+            return False
         try:
-            fd = os.open(f"/proc/{pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+            if self._stat_fd < 0:
+                self._stat_fd = os.open(f"/proc/{self.main_pid}/stat", os.O_RDONLY | os.O_CLOEXEC)
+            data = os.pread(self._stat_fd, 1024, 0)
         except OSError:
-            return
-        while True:
-            try:
-                data = os.pread(fd, 1024, 0)
-            except OSError:
-                return
-            end = data.rfind(b")")
-            self.main_stopped = data[end + 2:end + 3] in (b"T", b"t")
-            time.sleep(MAIN_CHECK)
+            return False  # gone: the kernel ends the connection, and this process with it
+        end = data.rfind(b")")
+        return data[end + 2:end + 3] in (b"T", b"t")
 
     def report(self) -> None:
         if not self.answered:
@@ -338,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     forward = socket.socket(fileno=args.forward_fd)
     table = OpenTable.attach(args.table_fd)
     server = Server(args.index, args.fuse_fd, table, forward, args.bufsize)
-    threading.Thread(target=server.watch_main, args=(os.getppid(),), daemon=True).start()
+    server.main_pid = os.getppid()
     try:
         return server.run()
     except Exception as exc:  # logged by the daemon from our exit status and stderr
