@@ -5,6 +5,7 @@ tests/fuse/test_serve_mount.py."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import threading
 import time
+from typing import NamedTuple
 
 import pytest
 
@@ -234,3 +236,86 @@ def test_a_serving_process_stops_reading_while_its_forwarded_requests_wait(table
         k.close()
         stopped.kill()
         stopped.wait()
+
+
+class FakeSession:
+    """What the file system asks of a session for passthrough: backing ids, and whether
+    its serving processes are alive."""
+
+    def __init__(self):
+        self.servers_alive = [True]
+        self.next_id = 0
+        self.closed: list[int] = []
+
+    def blocking(self, refusable=True):
+        return contextlib.nullcontext()
+
+    def backing_open(self, fd):
+        self.next_id += 1
+        return self.next_id
+
+    def backing_close(self, backing_id):
+        self.closed.append(backing_id)
+
+
+class FakeBacking(NamedTuple):
+    """A cached copy, as tiers.multilevel.Backing (held and released in its tier)."""
+
+    tier: object
+    path: str
+    eid: bytes
+    in_ram = False
+
+    def hold(self):
+        pass
+
+    def release(self):
+        pass
+
+
+def test_a_node_id_given_out_again_is_never_taken_back_for_its_previous_file(tmp_path):
+    """A node forgotten while its entry is dropped: the forget's take-back frees the id, a
+    lookup of another file gets it and publishes it, and only then is the drop handled. The
+    drop must leave the new file's publication alone (it once cleared it, and the id was
+    later served with the wrong file's backing id)."""
+    from cachefs.config import Config
+    from cachefs.fs import CachefsFS
+    from cachefs.identity import Attr, FileId
+    from cachefs.memsource import MemorySource
+    from cachefs.nodes import Backings, NodeOpen
+    from tests.helpers import make_core
+
+    fs = CachefsFS(make_core(MemorySource()), Config(source="/src", mountpoint="/mnt", cache_dir=str(tmp_path)))
+    session = FakeSession()
+    fs.session = session  # type: ignore[assignment]
+    fs._backings = Backings(session, 100)  # type: ignore[arg-type]
+    fs._table = table = OpenTable.create(capacity=1024, processes=1)
+    try:
+        (tmp_path / "copy").write_bytes(b"x")
+
+        def publish(path: str, eid: bytes) -> tuple[int, NodeOpen]:
+            attr = Attr(0o100444, 1, 0, 0, 1, 0, 1, 1, 1)
+            nodeid = fs.nodes.add(path, attr)
+            state = NodeOpen(FileId.of(path, attr))
+            state.refs, state.eid, state.published = 0, eid, True
+            state.backing_id = fs._backings.get(FakeBacking(None, str(tmp_path / "copy"), eid))  # type: ignore[arg-type]
+            fs._opens[nodeid] = state
+            table.publish(nodeid, state.backing_id)
+            fs._published[eid] = nodeid
+            return nodeid, state
+
+        first, old = publish("/a", b"E" * 16)
+        fs.forget(first, 1)  # the kernel forgot it: queued for the reaper
+        fs._dropped(b"E" * 16)  # and a tier dropped its copy: queued too
+        queued = [fs._unpublished.get() for _ in range(2)]
+        assert queued[0][:3] == (first, old, True) and queued[1][3] == b"E" * 16
+        fs._take_back(table, first, old, True)  # the forget's take-back: the id is free
+        assert session.closed == [old.backing_id]  # the dropped copy's id closed with its node
+        again, new = publish("/b", b"F" * 16)
+        assert again == first  # given out again
+        assert fs._unpublish_dropped(table, b"E" * 16) is None  # the drop: not this node's copy any more
+        fs._take_back(table, again, old, False)  # a take-back queued with the old state: nothing
+        assert table.slots[again] == new.backing_id and fs._opens[again] is new and new.published
+    finally:
+        fs._table = None
+        table.close()

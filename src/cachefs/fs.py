@@ -133,7 +133,7 @@ class CachefsFS(Published, Operations):
         # dropped: see _reap_loop).
         self._table: OpenTable | None = None
         self._published: dict[bytes, int] = {}
-        self._unpublished: queue.SimpleQueue[tuple[int, bool]] = queue.SimpleQueue()
+        self._unpublished: queue.SimpleQueue[tuple[int, NodeOpen | None, bool, bytes]] = queue.SimpleQueue()
         self._reaper: threading.Thread | None = None
         core.hooks.connect(on_source_changed=self._source_changed)
 
@@ -219,7 +219,7 @@ class CachefsFS(Published, Operations):
 
     def destroy(self) -> None:
         self._changed.put("")  # stops the invalidation thread
-        self._unpublished.put((0, False))  # and the serving processes' helper, before what it uses goes
+        self._unpublished.put((0, None, False, b""))  # and the serving processes' helper, before what it uses goes
         if self._reaper is not None:
             self._reaper.join(10)
         with self._opens_lock:
@@ -302,14 +302,18 @@ class CachefsFS(Published, Operations):
     def forget(self, nodeid: int, nlookup: int) -> None:
         if not self.nodes.forget(nodeid, nlookup):
             return
-        state = self._opens.get(nodeid)
-        if state is not None and state.published and self._table is not None:
-            self._table.unpublish(nodeid)
-            self._unpublished.put((nodeid, True))  # the id is reused once the table is done with it
-            return
-        if state is not None:  # no open is left of a node the kernel forgot
-            with self._opens_lock:
-                self._opens.pop(nodeid, None)
+        with self._node_lock(nodeid, refusable=False):  # as the reaper's take-back (published.py)
+            state = self._opens.get(nodeid)
+            if state is not None and state.published and self._table is not None:
+                self._table.unpublish(nodeid)
+                self._unpublished.put((nodeid, state, True, b""))  # the id is reused once taken back
+                return
+            if state is not None:  # no open is left of a node the kernel forgot
+                with self._opens_lock:
+                    state = self._opens.pop(nodeid, None)
+            if self._table is not None:
+                self._table.unpublish(nodeid)
+        if state is not None:
             self._closed(state)
         self.nodes.recycle(nodeid)
 
@@ -425,6 +429,7 @@ class CachefsFS(Published, Operations):
             # kernel forgets the node or a tier drops the entry (see _reap).
             state.published = True
             self._published[state.eid] = nodeid
+            self._check_doomed(state.eid)
             fh = OWN_FH | nodeid
         else:
             self._handles[fh] = fid

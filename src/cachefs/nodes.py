@@ -181,6 +181,13 @@ class Backings:
             self._idle.pop(eid, None)
             return int(rec[0])
 
+    def doomed(self, key: bytes) -> bool:
+        """Whether the copy registered under `key` was dropped by its tier (closed at its
+        last close)."""
+        with self._lock:
+            rec = self._ids.get(key)
+            return rec is not None and bool(rec[3])
+
     def put(self, eid: bytes) -> None:
         """An open of the entry's file closed."""
         closing = []

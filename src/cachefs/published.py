@@ -35,7 +35,8 @@ class Published:
     _backings: Backings | None
     _table: OpenTable | None
     _published: dict[bytes, int]  # Backings key -> the node published with it
-    _unpublished: queue.SimpleQueue[tuple[int, bool]]  # (node, forgotten) to take back
+    # (node, its state, forgotten) to take back, or (0, None, False, key) for a dropped copy
+    _unpublished: queue.SimpleQueue[tuple[int, NodeOpen | None, bool, bytes]]
     _node_lock: Callable[..., contextlib.AbstractContextManager[None]]
     _closed: Callable[[NodeOpen], None]
 
@@ -61,7 +62,7 @@ class Published:
         state.refs, state.backing_id, state.eid, state.published = 0, backing_id, eid, True
         # A new node id needs no node lock: no open can name it before this lookup is
         # answered (another lookup of the same name may: the first state in wins).
-        with contextlib.nullcontext() if new else self._node_lock(nodeid):
+        with contextlib.nullcontext() if new else self._node_lock(nodeid, refusable=False):
             with self._opens_lock:
                 taken = nodeid in self._opens
                 if not taken:
@@ -71,23 +72,34 @@ class Published:
                 return
             self._table.publish(nodeid, backing_id)
             self._published[eid] = nodeid
+        self._check_doomed(eid)
+
+    def _check_doomed(self, key: bytes) -> None:
+        """After a publish: a tier that dropped the copy meanwhile (its _dropped found no
+        node yet) gets the node taken back all the same."""
+        assert self._backings is not None
+        if self._backings.doomed(key):
+            self._unpublished.put((0, None, False, key))
 
     def _dropped(self, eid: bytes) -> None:
-        """A tier dropped an entry: a node published with its file is taken back from the
-        serving processes first, then its backing id is closed (now, or at its last close)."""
+        """A tier dropped an entry: the node published with its file is taken back from the
+        serving processes (by the reaper: a tier's lock may be held here, and the node's
+        lock is taken before the tiers' everywhere else), and its backing id closed at its
+        last close. Until then the kernel reads the dropped copy, the same bytes."""
         for key in (eid, eid + b"r"):  # see Backings.key
-            nodeid = self._published.get(key)
-            if nodeid is not None and self._table is not None:
-                self._table.unpublish(nodeid)
-                self._unpublished.put((nodeid, False))
+            if key in self._published:
+                self._unpublished.put((0, None, False, key))
         if self._backings is not None:
             self._backings.dropped(eid)
 
     def _reap_loop(self) -> None:
-        """Nodes unpublished (forgotten, or their entry dropped): once no serving process can
-        still be answering from their old slot (quiesce), their opens counted in the table are
-        folded into the main process's count. A forgotten node is then gone and its id free;
-        a dropped one lives until its last release, which the serving processes forward."""
+        """Nodes to take back from the serving processes: forgotten by the kernel (forget
+        cleared their slots), or published with a copy a tier dropped (their slots are
+        cleared here, if the node still stands for that copy). Once no serving process can
+        still be answering from an old slot (quiesce), the opens counted in the table are
+        folded into the main process's count. A forgotten node is then gone and its id
+        free; a dropped one lives until its last release, which the serving processes
+        forward."""
         table = self._table
         assert table is not None and self.session is not None
         while True:
@@ -95,28 +107,51 @@ class Published:
             time.sleep(0.005)  # a batch forget comes as many: one wait for all of them
             while not self._unpublished.empty():
                 batch.append(self._unpublished.get())
-            if any(nodeid == 0 for nodeid, _ in batch):
+            if any(nodeid == 0 and not key for nodeid, _, _, key in batch):
                 return
-            if not table.quiesce(self.session.servers_alive):
-                log.warning("a serving process did not finish a request within 5 s")
-            for nodeid, forgotten in batch:
-                self._take_back(table, nodeid, forgotten)
+            taken = [(nodeid, state, forgotten) for nodeid, state, forgotten, key in batch
+                     if not key and state is not None]
+            taken += [found for _, _, _, key in batch if key and (found := self._unpublish_dropped(table, key))]
+            if not taken:
+                continue
+            waited = 0
+            while not table.quiesce(self.session.servers_alive):
+                waited += 5  # a serving process stopped mid-request: nothing is safe to fold yet
+                log.warning("a serving process has not finished a request for %d s", waited)
+            for nodeid, state, forgotten in taken:
+                try:
+                    self._take_back(table, nodeid, state, forgotten)
+                except Exception:
+                    log.exception("taking node %d back from the serving processes failed", nodeid)
 
-    def _take_back(self, table: OpenTable, nodeid: int, forgotten: bool) -> None:
+    def _unpublish_dropped(self, table: OpenTable, key: bytes) -> tuple[int, NodeOpen, bool] | None:
+        nodeid = self._published.get(key)
+        if nodeid is None:
+            return None
         with self._node_lock(nodeid, refusable=False):
             state = self._opens.get(nodeid)
-            if state is not None and state.published:
-                state.refs += table.take_counts(nodeid)
-                state.published = False
-                if self._published.get(state.eid) == nodeid:
-                    del self._published[state.eid]
-            if state is not None and (forgotten or state.refs <= 0):
-                with self._opens_lock:
-                    del self._opens[nodeid]
-            else:
-                state = None
-        if state is not None:
-            self._closed(state)
+            if state is None or not state.published or state.eid != key:
+                return None  # forgotten (and maybe given out again) meanwhile
+            table.unpublish(nodeid)
+            return nodeid, state, False
+
+    def _take_back(self, table: OpenTable, nodeid: int, state: NodeOpen, forgotten: bool) -> None:
+        closing = None
+        with self._node_lock(nodeid, refusable=False):
+            if self._opens.get(nodeid) is state:  # not torn down, nor another node's since
+                if state.published:
+                    state.refs += table.take_counts(nodeid)
+                    state.published = False
+                    if self._published.get(state.eid) == nodeid:
+                        del self._published[state.eid]
+                if forgotten or state.refs <= 0:
+                    with self._opens_lock:
+                        del self._opens[nodeid]
+                    closing = state
+            if forgotten:
+                table.unpublish(nodeid)
+        if closing is not None:
+            self._closed(closing)
         if forgotten:
             self.nodes.recycle(nodeid)
 

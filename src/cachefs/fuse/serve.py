@@ -54,7 +54,7 @@ REPORT = 1 << 31          # in a forwarded message's index: a serving process's 
 WAKE = 0xFFFFFFFF         # a forwarded message's index: the main process waking its own readers
 REPORT_EVERY = 512        # requests answered between reports
 REPORT_AFTER = 0.05       # seconds idle before a report of what is pending
-SEND_BUFFER = 4 << 20     # the forward socket's buffer: bursts of forwarded requests never block
+SEND_BUFFER = 4 << 20     # the forward socket's buffer (the kernel caps it at net.core.wmem_max)
 PR_SET_PDEATHSIG = 1
 
 _MAGIC = b"cfsopen1"
@@ -134,10 +134,11 @@ class OpenTable:
         """Wait until every live serving process is idle or has finished the request it was
         answering when this was called: after an unpublish, none still uses the old slot.
         A process counts busy (odd) from the moment it has read a request until it has
-        answered it. The first sleep lets stores in flight on other cores land."""
+        answered it. The first sleep lets stores in flight on other cores land (the slot
+        cleared, theirs to their counters) before the counters are read."""
         step = _LINE // 8
-        before = [self.busy[k * step] for k in range(self.processes)]
         time.sleep(0.002)
+        before = [self.busy[k * step] for k in range(self.processes)]
         deadline = time.monotonic() + timeout
         for k, seen in enumerate(before):
             if not alive[k]:
@@ -203,7 +204,7 @@ class Server:
         self.main_pid: int | None = None  # whose stop holds the reading (see main_stopped)
         self._stat_fd = -1
 
-    # Long (74 lines) for a reason: the hot loop, one function so that its names stay local
+    # Long (92 lines) for a reason: the hot loop, one function so that its names stay local
     def run(self) -> int:
         """Serve until the connection is gone (0), or fail (1)."""
         fd, buf = self.fd, self.buf
@@ -220,6 +221,14 @@ class Server:
         write_flags = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
         clock = time.perf_counter
         stats, opened = self.stats, self.opened
+
+        def reply(data: bytes) -> bool:
+            try:
+                os.write(fd, data)
+                return True
+            except OSError:  # interrupted (ENOENT), or unmounted: the next read says which
+                return False
+
         poller = select.poll()
         poller.register(fd, select.POLLIN)
         checked, stopped = -1.0, False
@@ -252,38 +261,34 @@ class Server:
             busy[step] += 1  # odd: answering (see OpenTable.quiesce)
             start = clock()
             length, opcode, unique, nodeid = header(buf)[:4]
+            backing = slots[nodeid] if 0 < nodeid < capacity and length == n else 0  # read once
             kind = -1
             if opcode == p.IOCTL:
-                os.write(fd, error_reply(16, -errno.ENOTTY, unique))
+                reply(error_reply(16, -errno.ENOTTY, unique))
                 kind = 2
-            elif opcode == p.OPEN and length == n and 0 < nodeid < capacity and slots[nodeid]:
+            elif opcode == p.OPEN and backing:
                 if u32(buf, 40)[0] & write_flags:
-                    os.write(fd, error_reply(16, -errno.EROFS, unique))
+                    reply(error_reply(16, -errno.EROFS, unique))
                 else:
-                    backing = slots[nodeid]
                     counts[nodeid] += 1  # before the reply: a release may follow at once
-                    try:
-                        os.write(fd, reply_open(32, 0, unique, OWN_FH | nodeid, own_flags, backing))
-                    except OSError:
-                        counts[nodeid] -= 1  # interrupted: the kernel will not release it
-                    else:
+                    if reply(reply_open(32, 0, unique, OWN_FH | nodeid, own_flags, backing)):
                         opened.append(nodeid)
+                    else:
+                        counts[nodeid] -= 1  # interrupted: the kernel will not release it
                 kind = 0
-            elif (opcode == p.RELEASE and length == n and 0 < nodeid < capacity and slots[nodeid]
-                  and u64(buf, 40)[0] & OWN_FH):
+            elif opcode == p.RELEASE and backing and u64(buf, 40)[0] & OWN_FH:
                 counts[nodeid] -= 1
-                try:
-                    os.write(fd, error_reply(16, 0, unique))
-                except OSError:
-                    pass
+                reply(error_reply(16, 0, unique))
                 kind = 1
             elif opcode in p.WRITE_OPS:
-                os.write(fd, error_reply(16, -errno.EROFS, unique))
+                reply(error_reply(16, -errno.EROFS, unique))
                 kind = 2
             else:
+                busy[step] += 1  # idle again: forwarding reads no slot, and may wait for the daemon
                 busy[step + FORWARDED] += 1
                 self.forward.sendmsg([self.prefix, view[:n]])
                 stats[6] += 1
+                continue
             busy[step] += 1  # even: idle
             if kind >= 0:
                 stats[2 * kind] += 1
@@ -319,8 +324,9 @@ class Server:
         try:
             self.forward.sendmsg(message)
         except OSError:
-            return  # the main process is gone: so is the connection soon
-        self.table.busy[line + REPORTS] += 1
+            pass  # the main process is gone: so is the connection soon
+        else:
+            self.table.busy[line + REPORTS] += 1
         self.table.busy[line + PENDING] = 0
 
 
@@ -331,13 +337,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--table-fd", type=int, required=True)
     ap.add_argument("--forward-fd", type=int, required=True)
     ap.add_argument("--bufsize", type=int, default=1 << 18)
+    ap.add_argument("--parent", type=int, required=True, help="the daemon's pid")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the daemon
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
-    if os.getppid() == 1:
+    if os.getppid() != args.parent:
         return 0  # the daemon is gone already
     forward = socket.socket(fileno=args.forward_fd)
     table = OpenTable.attach(args.table_fd)

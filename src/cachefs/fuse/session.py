@@ -253,7 +253,7 @@ class Session(Handlers):
         for index, fd in enumerate(fds):
             cmd = [sys.executable, "-m", "cachefs.fuse.serve", "--index", str(index), "--fuse-fd", str(fd),
                    "--table-fd", str(table.fd), "--forward-fd", str(self._tx.fileno()),
-                   "--bufsize", str(self._bufsize)]
+                   "--bufsize", str(self._bufsize), "--parent", str(os.getpid())]
             proc = subprocess.Popen(cmd, pass_fds=[fd, table.fd, self._tx.fileno()], stdin=subprocess.DEVNULL,
                                     env=env)
             self.servers.append(proc)
