@@ -34,13 +34,11 @@ PR_SET_PDEATHSIG).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import errno
 import logging
 import marshal
 import os
 import queue
-import signal
 import socket
 import struct
 import subprocess
@@ -53,6 +51,7 @@ from typing import Any, NamedTuple
 from cachefs.blocks import entry_id
 from cachefs.config import BATCH_THREADS
 from cachefs.errors import SourceChanged
+from cachefs.fuse.serve import child_env, die_with_parent
 from cachefs.identity import Attr, FileId
 from cachefs.source import open_source
 from cachefs.stats import Stats
@@ -116,7 +115,6 @@ class FilledBatch(NamedTuple):
     replies: list[Filled]
     counts: dict[str, int]  # the shared.* counters the worker added
     servers: dict[str, tuple[int, int]]  # hits and misses it added, per shared-tier server
-PR_SET_PDEATHSIG = 1
 
 
 def _send(sock: socket.socket, obj: tuple) -> None:  # type: ignore[type-arg]
@@ -273,12 +271,7 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--shared", help="the shared tier's servers (memcached://...)")
     p.add_argument("--shared-namespace", default="")
     args = p.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the daemon
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()
     if os.getppid() == 1:
         return 0  # the daemon is already gone
     worker = _Worker(args.root, args.data, args.namespace.encode(), args.block_size, args.root_fd,
@@ -341,7 +334,7 @@ class Fetchers:
         cmd = [*self._cmd, "--fds", ",".join(str(s.fileno()) for s in theirs)]
         try:
             inherit = [s.fileno() for s in theirs] + ([self._root_fd] if self._root_fd >= 0 else [])
-            proc = subprocess.Popen(cmd, pass_fds=inherit, stdin=subprocess.DEVNULL, env=_child_env())
+            proc = subprocess.Popen(cmd, pass_fds=inherit, stdin=subprocess.DEVNULL, env=child_env())
         except BaseException:
             for s in ours:
                 s.close()
@@ -475,13 +468,6 @@ def _set_timeout(sock: socket.socket, seconds: float | None) -> None:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
-
-def _child_env() -> dict[str, str]:
-    """The worker imports this package as the daemon does, wherever it is installed."""
-    env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
 
 
 if __name__ == "__main__":

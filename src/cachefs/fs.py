@@ -302,6 +302,11 @@ class CachefsFS(Published, Operations):
     def forget(self, nodeid: int, nlookup: int) -> None:
         if not self.nodes.forget(nodeid, nlookup):
             return
+        if nodeid not in self._opens:  # the common case: nothing can make a state for it now
+            if self._table is not None:
+                self._table.unpublish(nodeid)
+            self.nodes.recycle(nodeid)
+            return
         with self._node_lock(nodeid, refusable=False):  # as the reaper's take-back (published.py)
             state = self._opens.get(nodeid)
             if state is not None and state.published and self._table is not None:

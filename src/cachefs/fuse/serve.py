@@ -330,6 +330,26 @@ class Server:
         self.table.busy[line + PENDING] = 0
 
 
+def child_env() -> dict[str, str]:
+    """The environment of a child process that imports this package as its parent does,
+    wherever it is installed (a serving process; the fetch processes)."""
+    env = dict(os.environ)
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def die_with_parent() -> None:
+    """In a child process: ignore the terminal's Ctrl-C (it is for the daemon), and die
+    with the parent (PR_SET_PDEATHSIG). The caller then checks that the parent is still
+    the one it was started by."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m cachefs.fuse.serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--index", type=int, required=True)
@@ -339,11 +359,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bufsize", type=int, default=1 << 18)
     ap.add_argument("--parent", type=int, required=True, help="the daemon's pid")
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the daemon
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+    die_with_parent()
     if os.getppid() != args.parent:
         return 0  # the daemon is gone already
     forward = socket.socket(fileno=args.forward_fd)

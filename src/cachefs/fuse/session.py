@@ -35,7 +35,7 @@ from cachefs.fuse.ops import (
     Operations,
     Request,
 )
-from cachefs.fuse.serve import ANSWERED, PENDING, REPORT, REPORTS, SEND_BUFFER, WAKE, OpenTable
+from cachefs.fuse.serve import ANSWERED, PENDING, REPORT, REPORTS, SEND_BUFFER, WAKE, OpenTable, child_env
 
 log = logging.getLogger(__name__)
 
@@ -247,9 +247,7 @@ class Session(Handlers):
         for sock, opt in ((self._rx, socket.SO_RCVBUF), (self._tx, socket.SO_SNDBUF)):
             sock.setsockopt(socket.SOL_SOCKET, opt, SEND_BUFFER)
         table = OpenTable.create(capacity, count)
-        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env = dict(os.environ, PYTHONPATH=here + (os.pathsep + os.environ["PYTHONPATH"]
-                                                  if os.environ.get("PYTHONPATH") else ""))
+        env = child_env()
         for index, fd in enumerate(fds):
             cmd = [sys.executable, "-m", "cachefs.fuse.serve", "--index", str(index), "--fuse-fd", str(fd),
                    "--table-fd", str(table.fd), "--forward-fd", str(self._tx.fileno()),
