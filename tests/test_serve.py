@@ -25,18 +25,18 @@ from cachefs.fuse.serve import (
     OWN_FH,
     REPORT,
     REPORT_EVERY,
-    OpenTable,
     Server,
+    ServeTable,
     decode_report,
 )
-from cachefs.nodes import Nodes
+from cachefs.nodes import Backings, Nodes
 
 O_RDONLY = os.O_RDONLY
 
 
 @pytest.fixture
 def table():
-    t = OpenTable.create(capacity=1024, processes=2)
+    t = ServeTable.create(capacity=1024, processes=2)
     yield t
     t.close()
 
@@ -44,7 +44,7 @@ def table():
 def test_published_nodes_and_open_counts(table):
     assert table.publish(5, 7)
     assert not table.publish(1024, 7) and not table.publish(0, 7)  # beyond the table: the main process's
-    other = OpenTable.attach(os.dup(table.fd))  # another process's view of the same memory
+    other = ServeTable.attach(os.dup(table.fd))  # another process's view of the same memory
     try:
         assert other.slots[5] == 7 and other.capacity == 1024 and other.processes == 2
         other.counts(0)[5] += 2
@@ -70,7 +70,7 @@ def test_quiesce_waits_for_a_request_in_progress(table):
 class FakeKernel:
     """A serving process's view of /dev/fuse, and the main process's forward socket."""
 
-    def __init__(self, table: OpenTable):
+    def __init__(self, table: ServeTable):
         self.kernel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.main, fwd = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.server = Server(0, theirs.fileno(), table, fwd, 1 << 16)
@@ -148,11 +148,113 @@ def test_a_serving_process_answers_published_nodes_and_forwards_the_rest(table):
         report = k.forwarded()
         assert report[:4] == REPORT.to_bytes(4, "little")
         counts, opened = decode_report(memoryview(report)[4:])
-        assert {kind: n for kind, (n, _) in counts.items()} == {"open": 2, "release": 1, "other": 2, "forwarded": 3}
+        answered = {kind: n for kind, (n, _) in counts.items() if n}
+        assert answered == {"open": 2, "release": 1, "other": 2, "forwarded": 3}
         assert list(opened) == [5]
     finally:
         k.close()
     assert k.result == [0]
+
+
+def entry_for(nodeid: int, size: int) -> bytes:
+    return p.pack_entry_of(nodeid, 1000 + nodeid, 0o100444, 1, 0, 0, size, 0, 0, 0, 1, 0, (3600, 0))
+
+
+def test_published_names_are_found_by_parent_and_name_until_their_deadline(table):
+    far = time.monotonic_ns() + 10**12
+    assert table.publish_name(5, 1, b"a.jpg", entry_for(5, 10), far)
+    assert table.publish_name(6, 2, b"a.jpg", entry_for(6, 20), far)  # the same name in another directory
+    assert not table.publish_name(7, 1, b"x" * 200, entry_for(7, 1), far)  # too long: the main process's
+    assert not table.publish_name(1024, 1, b"b", entry_for(1024, 1), far)  # beyond the table
+    now = time.monotonic_ns()
+    assert table.entry(1, b"a.jpg", now) == (5, entry_for(5, 10))
+    assert table.entry(2, b"a.jpg", now) == (6, entry_for(6, 20))
+    assert table.entry(3, b"a.jpg", now) is None and table.entry(1, b"b.jpg", now) is None
+    assert table.entry(1, b"a.jpg", far + 1) is None  # due for a check: the main process answers
+    assert table.named(5) == entry_for(5, 10)
+    table.unpublish_name(5)
+    assert table.entry(1, b"a.jpg", now) is None and table.named(5) is None
+    assert table.entry(2, b"a.jpg", now) == (6, entry_for(6, 20))
+    # the name published again (another version: another node), reusing the tombstone
+    assert table.publish_name(8, 1, b"a.jpg", entry_for(8, 11), far)
+    assert table.entry(1, b"a.jpg", now) == (8, entry_for(8, 11))
+    # a record being written is a miss, not a torn answer
+    table.records[8 * 256] += 1
+    assert table.entry(1, b"a.jpg", now) is None and table.named(8) is None
+    table.records[8 * 256] += 1
+    assert table.entry(1, b"a.jpg", now) == (8, entry_for(8, 11))
+
+
+def test_names_survive_many_publishes_and_unpublishes_in_a_small_table():
+    """Tombstones fill the buckets; a rebuild drops them and every live name is still found."""
+    t = ServeTable.create(capacity=1024, processes=1, names=16)
+    try:
+        far = time.monotonic_ns() + 10**12
+        live: dict[int, bytes] = {}
+        for i in range(2, 1000):
+            name = f"f{i}".encode()
+            assert t.publish_name(i, 1, name, entry_for(i, i), far)
+            live[i] = name
+            if len(live) > 12:
+                old = min(live)
+                t.unpublish_name(old)
+                del live[old]
+        now = time.monotonic_ns()
+        for i, name in live.items():
+            assert t.entry(1, name, now) == (i, entry_for(i, i))
+        assert t.entry(1, b"f2", now) is None
+    finally:
+        t.close()
+
+
+def forget_in(n: int) -> bytes:
+    return p.FORGET_IN.pack(n)
+
+
+def test_a_serving_process_answers_lookups_getattrs_and_forgets_of_published_names(table):
+    far = time.monotonic_ns() + 10**12
+    table.publish_name(5, 1, b"a.jpg", entry_for(5, 10), far)
+    k = FakeKernel(table)
+    try:
+        u = k.send(p.LOOKUP, 1, b"a.jpg\0")
+        assert k.reply() == (u, 0, entry_for(5, 10))
+        assert table.lookups(0)[5] == 1
+        u = k.send(p.GETATTR, 5, p.GETATTR_IN.pack(0, 0, 0))
+        unique, error, out = k.reply()
+        assert (unique, error) == (u, 0)
+        assert out == p.ATTR_OUT.pack(3600, 0, 0) + entry_for(5, 10)[p.ENTRY_OUT.size:]
+        k.send(p.FORGET, 5, forget_in(3))
+        # a forget has no reply: the next request's answer shows it was taken
+        u = k.send(p.LOOKUP, 1, b"a.jpg\0")
+        assert k.reply()[0] == u
+        assert table.lookups(0)[5] == 1 - 3 + 1
+        # a batch: the published node's forget taken here, the others forwarded as a batch
+        items = [(5, 1), (9, 2), (11, 4)]
+        k.send(p.BATCH_FORGET, 0, p.BATCH_FORGET_IN.pack(3, 0) + b"".join(p.FORGET_ONE.pack(*i) for i in items))
+        message = k.forwarded()
+        length, opcode = p.IN_HEADER.unpack_from(message, 4)[:2]
+        assert (length, opcode) == (len(message) - 4, p.BATCH_FORGET)
+        body = message[4 + p.IN_HEADER.size:]
+        assert p.BATCH_FORGET_IN.unpack_from(body)[0] == 2
+        assert [p.FORGET_ONE.unpack_from(body, 8 + 16 * i) for i in range(2)] == [(9, 2), (11, 4)]
+        assert table.lookups(0)[5] == -2
+        # not published, unknown, or unpublished: the main process's
+        k.send(p.LOOKUP, 1, b"b.jpg\0")
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
+        table.unpublish_name(5)
+        k.send(p.LOOKUP, 1, b"a.jpg\0")
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
+        k.send(p.FORGET, 5, forget_in(1))
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.FORGET
+        k.send(p.GETATTR, 5, p.GETATTR_IN.pack(0, 0, 0))
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.GETATTR
+        report = k.forwarded()
+        counts, _ = decode_report(memoryview(report)[4:])
+        assert {kind: n for kind, (n, _) in counts.items() if n} == {
+            "lookup": 2, "getattr": 1, "forget": 1, "batch_forget": 1, "forwarded": 5}
+    finally:
+        k.close()
+    assert table.take_lookups(5) == -2 and table.take_lookups(5) == 0
 
 
 def test_an_unpublished_node_goes_to_the_main_process_even_for_its_own_handles(table):
@@ -289,7 +391,7 @@ def test_a_node_id_given_out_again_is_never_taken_back_for_its_previous_file(tmp
     session = FakeSession()
     fs.session = session  # type: ignore[assignment]
     fs._backings = Backings(session, 100)  # type: ignore[arg-type]
-    fs._table = table = OpenTable.create(capacity=1024, processes=1)
+    fs._table = table = ServeTable.create(capacity=1024, processes=1)
     try:
         (tmp_path / "copy").write_bytes(b"x")
 
@@ -308,14 +410,71 @@ def test_a_node_id_given_out_again_is_never_taken_back_for_its_previous_file(tmp
         fs.forget(first, 1)  # the kernel forgot it: queued for the reaper
         fs._dropped(b"E" * 16)  # and a tier dropped its copy: queued too
         queued = [fs._unpublished.get() for _ in range(2)]
-        assert queued[0][:3] == (first, old, True) and queued[1][3] == b"E" * 16
+        assert queued[0] == ("node", first, old, True) and queued[1] == ("copy", b"E" * 16)
         fs._take_back(table, first, old, True)  # the forget's take-back: the id is free
         assert session.closed == [old.backing_id]  # the dropped copy's id closed with its node
         again, new = publish("/b", b"F" * 16)
         assert again == first  # given out again
-        assert fs._unpublish_dropped(table, b"E" * 16) is None  # the drop: not this node's copy any more
+        assert fs._unpublish_copy(table, b"E" * 16) is None  # the drop: not this node's copy any more
         fs._take_back(table, again, old, False)  # a take-back queued with the old state: nothing
         assert table.slots[again] == new.backing_id and fs._opens[again] is new and new.published
+    finally:
+        fs._table = None
+        table.close()
+
+
+def test_published_names_pin_their_nodes_and_are_taken_back_oldest_first(tmp_path):
+    """The daemon's side of names: a lookup publishes the file's name (its node and its
+    directory pinned: forgets counted by the serving processes do not reach the daemon),
+    at most _name_limit of them, the oldest taken back first; a taken-back name's lookups
+    counted in the table are folded into its node's references, and a node nobody holds
+    any more is forgotten then. A file changed on the source has its name taken back."""
+    from cachefs.config import Config
+    from cachefs.fs import CachefsFS
+    from cachefs.fuse.ops import Request
+    from cachefs.memsource import MemorySource
+    from tests.helpers import make_core
+
+    source = MemorySource()
+    source.add_dir("/d")
+    for i in range(4):
+        source.add_file(f"/d/f{i}", b"x" * (i + 1))
+    fs = CachefsFS(make_core(source), Config(source="/src", mountpoint="/mnt", cache_dir=str(tmp_path)))
+    session = FakeSession()
+    fs.session = session  # type: ignore[assignment]
+    fs._backings = Backings(session, 100)  # type: ignore[arg-type]
+    fs._table = table = ServeTable.create(capacity=1024, processes=1, names=8)
+    fs._name_limit = 3
+    req = Request(1, 1, 0, 0, 1)
+    try:
+        d = p.ENTRY_OUT.unpack_from(fs.lookup(req, 1, b"d"))[0]
+        ids = [p.ENTRY_OUT.unpack_from(fs.lookup(req, d, f"f{i}".encode()))[0] for i in range(3)]
+        now = time.monotonic_ns()
+        assert [table.entry(d, f"f{i}".encode(), now)[0] for i in range(3)] == ids  # type: ignore[index]
+        table.lookups(0)[ids[0]] += 2  # a serving process answered two more lookups of f0...
+        fs.forget(ids[0], 3)  # ...and the kernel forgot all three: one of them reached the daemon
+        fs.forget(d, 1)  # the directory too
+        assert fs.nodes.file_id(ids[0]) is not None and fs.nodes.path(d) == "/d"  # pinned
+        # a fourth name: the oldest (f0) is taken back
+        f3 = p.ENTRY_OUT.unpack_from(fs.lookup(req, d, b"f3"))[0]
+        assert list(fs._named) == [ids[1], ids[2], f3]
+        assert table.entry(d, b"f0", now) is None
+        item = fs._unpublished.get_nowait()
+        assert item == ("name", ids[0], d)
+        fs._name_taken(table, ids[0], d)
+        assert table.lookups(0)[ids[0]] == 0
+        assert fs.nodes.file_id(ids[0]) is None  # 1 + 2 lookups, 3 forgets: gone, its id free
+        assert fs.nodes.path(d) == "/d"  # still the directory of three names
+        # the file changed on the source: its name goes to the daemon again at once
+        fs._source_changed("/d/f1")
+        assert table.entry(d, b"f1", now) is None and ids[1] not in fs._named
+        assert fs._unpublished.get_nowait() == ("name", ids[1], d)
+        fs._name_taken(table, ids[1], d)
+        assert fs.nodes.file_id(ids[1]) is not None  # the kernel still holds it (one lookup)
+        # a lookup of the new version: a new node, published under the name
+        source.add_file("/d/f1", b"changed")
+        new = p.ENTRY_OUT.unpack_from(fs.lookup(req, d, b"f1"))[0]
+        assert new != ids[1] and table.entry(d, b"f1", time.monotonic_ns())[0] == new  # type: ignore[index]
     finally:
         fs._table = None
         table.close()

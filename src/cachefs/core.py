@@ -117,6 +117,7 @@ class Core:
         meta = self.metadata
         self.getattr = meta.getattr
         self.known_attr = meta.known_attr
+        self.attr_expiry = meta.attr_expiry
         self.attrs_of = meta.attrs_of
         self.readdir = meta.readdir
         self.readlink = meta.readlink

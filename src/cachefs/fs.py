@@ -15,6 +15,7 @@ Kernel-side caching does the heavy lifting for a warm epoch:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import functools
@@ -35,7 +36,7 @@ from cachefs.directio import OUT_OF_DESCRIPTORS, descriptor_limit, trim_descript
 from cachefs.errors import QUIET, to_errno
 from cachefs.fuse import protocol as p
 from cachefs.fuse.ops import Connection, DirItem, Entry, FuseError, Opened, Operations, Request, StatFs
-from cachefs.fuse.serve import OWN_FH, OpenTable
+from cachefs.fuse.serve import OWN_FH, ServeTable
 from cachefs.fuse.session import Session
 from cachefs.identity import Attr, FileId
 from cachefs.nodes import Backings, ErrorLog, NodeLocks, NodeOpen, Nodes, to_fuse_attr, version_of
@@ -131,9 +132,13 @@ class CachefsFS(Published, Operations):
         # Serving processes (cachefs/fuse/serve.py): the table of published nodes, each
         # entry's published node, and nodes to take back from the table (forgotten or
         # dropped: see _reap_loop).
-        self._table: OpenTable | None = None
+        self._table: ServeTable | None = None
         self._published: dict[bytes, int] = {}
-        self._unpublished: queue.SimpleQueue[tuple[int, NodeOpen | None, bool, bytes]] = queue.SimpleQueue()
+        self._unpublished: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._named: collections.OrderedDict[int, int] = collections.OrderedDict()
+        self._naming: set[int] = set()
+        self._names_lock = threading.Lock()
+        self._name_limit = min(backing_limit(), NODE_TABLE_CAPACITY // 2)
         self._reaper: threading.Thread | None = None
         core.hooks.connect(on_source_changed=self._source_changed)
 
@@ -179,7 +184,8 @@ class CachefsFS(Published, Operations):
             self._backings = Backings(self.session, backing_limit())
             self.core.cache.on_drop(self._dropped)
             self.core.stats.gauge("opens.backing_files", lambda: len(self._backings or ()))
-            self._table = self.session.start_servers(self.config.serve_processes or 0, NODE_TABLE_CAPACITY)
+            self._table = self.session.start_servers(self.config.serve_processes or 0, NODE_TABLE_CAPACITY,
+                                                     self._name_limit)
             if self._table is not None:
                 self._reaper = threading.Thread(target=self._reap_loop, name="cachefs-reap", daemon=True)
                 self._reaper.start()
@@ -187,6 +193,7 @@ class CachefsFS(Published, Operations):
                 alive = self.session.servers_alive
                 self.core.stats.gauge("serve.processes", lambda: sum(alive))
                 self.core.stats.gauge("serve.published", lambda: len(self._published))
+                self.core.stats.gauge("serve.names", lambda: len(self._named))
         if mode == "on" and self.want_passthrough and not usable:
             why = ("the kernel does not offer it" if not conn.passthrough
                    else "this daemon may not register backing files (it needs CAP_SYS_ADMIN)")
@@ -219,7 +226,7 @@ class CachefsFS(Published, Operations):
 
     def destroy(self) -> None:
         self._changed.put("")  # stops the invalidation thread
-        self._unpublished.put((0, None, False, b""))  # and the serving processes' helper, before what it uses goes
+        self._unpublished.put(("stop",))  # and the serving processes' helper, before what it uses goes
         if self._reaper is not None:
             self._reaper.join(10)
         with self._opens_lock:
@@ -248,6 +255,7 @@ class CachefsFS(Published, Operations):
         and gets a node of the new version (see Nodes). Its old node keeps serving the old
         version to those who hold it: from the cache, or ESTALE."""
         self.core.invalidate(path)
+        self._unname(path)
         self._changed.put(path)
 
     def _invalidate_loop(self) -> None:
@@ -258,6 +266,7 @@ class CachefsFS(Published, Operations):
             path = self._changed.get()
             if not path:
                 return
+            self._unname(path)  # before the kernel drops the name: its next lookup comes here
             directory, _, name = path.rpartition("/")
             parent = self.nodes.id_of(directory or "/")
             if parent is not None and self.session is not None:
@@ -281,15 +290,18 @@ class CachefsFS(Published, Operations):
         except FileNotFoundError:
             # a negative entry: the kernel remembers "no such file" for --negative-ttl
             return Entry(0, p.Attr(0, 0, 0, 0, 0, 0, 0, 0, 0), self._negative_ttl, 0)
-        return self._entry(path, a)
+        return self._entry(path, a, parent, name)
 
-    def _entry(self, path: str, a: Attr) -> bytes:
+    def _entry(self, path: str, a: Attr, parent: int, name: bytes) -> bytes:
         """The packed entry of a lookup that found `path`: the kernel counts it (FORGET)."""
         nodeid, new = self.nodes.looked_up(path, a)
         if self._table is not None and a.is_file and nodeid not in self._opens:
             self._publish_known(nodeid, FileId.of(path, a), new)
-        return p.pack_entry_of(nodeid, a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
-                               a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
+        entry = p.pack_entry_of(nodeid, a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
+                                a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
+        if self._table is not None and a.is_file:
+            self._publish_name(nodeid, parent, name, path, a, entry)
+        return entry
 
     @_fuse_op
     def lookup_known(self, req: Request, parent: int, name: bytes) -> bytes | None:
@@ -297,11 +309,15 @@ class CachefsFS(Published, Operations):
         a = self.core.known_attr(path)
         if a is None:
             return None
-        return self._entry(path, a)
+        return self._entry(path, a, parent, name)
 
     def forget(self, nodeid: int, nlookup: int) -> None:
-        if not self.nodes.forget(nodeid, nlookup):
-            return
+        if self.nodes.forget(nodeid, nlookup):
+            self._forgotten(nodeid)
+
+    def _forgotten(self, nodeid: int) -> None:
+        """The kernel holds the node no more: its open state goes, and its id is given out
+        again (once taken back from the serving processes, if published)."""
         if nodeid not in self._opens:  # the common case: nothing can make a state for it now
             if self._table is not None:
                 self._table.unpublish(nodeid)
@@ -311,7 +327,7 @@ class CachefsFS(Published, Operations):
             state = self._opens.get(nodeid)
             if state is not None and state.published and self._table is not None:
                 self._table.unpublish(nodeid)
-                self._unpublished.put((nodeid, state, True, b""))  # the id is reused once taken back
+                self._unpublished.put(("node", nodeid, state, True))  # the id is reused once taken back
                 return
             if state is not None:  # no open is left of a node the kernel forgot
                 with self._opens_lock:

@@ -72,6 +72,11 @@ class _TTLCache:
             while len(self._data) > self._max:
                 self._data.popitem(last=False)
 
+    def expiry(self, key: str) -> float | None:
+        """When the entry expires (the clock's time), if it is there and not expired."""
+        hit = self._data.get(key)
+        return None if hit is None or hit[0] < self._clock() else hit[0]
+
     def pop(self, key: str) -> None:
         with self._lock:
             self._data.pop(key, None)
@@ -161,6 +166,11 @@ class Metadata:
         if self._index_answers and hit is None:
             return self._indexed(path)
         return None
+
+    def attr_expiry(self, path: str) -> float | None:
+        """When the attributes known for `path` are due for a check on the source (the
+        clock's time, time.monotonic by default); None if they are not known."""
+        return self._attrs.expiry(path)
 
     def attrs_of(self, paths: list[str], fetch: bool = False) -> dict[str, Attr]:
         """The attributes of those of `paths` the daemon knows (known_attr); with `fetch`,

@@ -269,6 +269,7 @@ class Nodes:
         self._versions: dict[int, Attr] = {}  # node id -> the file version it stands for
         self._next = itertools.count(p.ROOT_ID + 1)
         self._free: list[int] = []  # ids the kernel forgot, to give out again (see recycle)
+        self._pins: dict[int, int] = {}  # nodes kept whatever the kernel forgets (see pin)
         self._lock = threading.Lock()
 
     def path(self, nodeid: int) -> str:
@@ -280,6 +281,11 @@ class Nodes:
     def version(self, nodeid: int) -> Attr | None:
         """The attributes of the file version this node stands for (regular files only)."""
         return self._versions.get(nodeid)
+
+    def file_id(self, nodeid: int) -> FileId | None:
+        """The file version a regular file's node stands for, if the node is known."""
+        path, attr = self._paths.get(nodeid), self._versions.get(nodeid)
+        return None if path is None or attr is None else FileId.of(path, attr)
 
     def child(self, parent: int, name: bytes) -> str:
         if not name or b"/" in name or name in (b".", b".."):
@@ -319,18 +325,45 @@ class Nodes:
 
     def forget(self, nodeid: int, count: int) -> bool:
         """Take `count` of the kernel's references; True when that was the last of them (the
-        kernel no longer knows the id: its owner gives it back with recycle)."""
+        kernel no longer knows the id: its owner gives it back with recycle). A pinned
+        node stays, whatever its count (see pin)."""
         with self._lock:
             left = self._refs.get(nodeid, 0) - count
-            if left > 0:
+            if left > 0 or nodeid in self._pins:
                 self._refs[nodeid] = left
                 return False
-            self._refs.pop(nodeid, None)
-            self._versions.pop(nodeid, None)
-            path = self._paths.pop(nodeid, None) if nodeid != p.ROOT_ID else None
-            if path is not None and self._ids.get(path) == nodeid:
-                del self._ids[path]
-            return path is not None
+            return self._drop(nodeid)
+
+    def pin(self, nodeid: int) -> bool:
+        """Keep the node (its id and path) whatever the kernel forgets, until unpin: its
+        name is published to the serving processes, which count its lookups and forgets
+        (or it is the directory of such a name). False for a node unknown here."""
+        with self._lock:
+            if nodeid not in self._paths:
+                return False
+            self._pins[nodeid] = self._pins.get(nodeid, 0) + 1
+            return True
+
+    def unpin(self, nodeid: int, lookups: int = 0) -> bool:
+        """One pin less, and `lookups` more references (those the serving processes counted);
+        True when the node is gone with it (as forget)."""
+        with self._lock:
+            left = self._refs.get(nodeid, 0) + lookups
+            self._refs[nodeid] = left
+            pins = self._pins.get(nodeid, 0) - 1
+            if pins > 0:
+                self._pins[nodeid] = pins
+                return False
+            self._pins.pop(nodeid, None)
+            return left <= 0 and self._drop(nodeid)
+
+    def _drop(self, nodeid: int) -> bool:
+        self._refs.pop(nodeid, None)
+        self._versions.pop(nodeid, None)
+        path = self._paths.pop(nodeid, None) if nodeid != p.ROOT_ID else None
+        if path is not None and self._ids.get(path) == nodeid:
+            del self._ids[path]
+        return path is not None
 
     def recycle(self, nodeid: int) -> None:
         """Give out a forgotten node id again: ids stay as dense as the nodes the kernel

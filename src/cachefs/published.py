@@ -1,10 +1,12 @@
-"""The file system's side of the serving processes (cachefs/fuse/serve.py): which nodes are
-published in their table, taking nodes back (forgotten by the kernel, or their entry
-dropped by a tier), and their reports counted as the tiers' hits. A mixin of CachefsFS
-(cachefs/fs.py), which owns the state it works on."""
+"""The file system's side of the serving processes (cachefs/fuse/serve.py): which names and
+nodes are published in their table, taking them back (a node forgotten by the kernel, its
+entry dropped by a tier, a name changed on the source or pushed out by newer ones), and
+their reports counted as the tiers' hits. A mixin of CachefsFS (cachefs/fs.py), which owns
+the state it works on."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import queue
@@ -13,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cachefs.fuse.serve import OpenTable, decode_report
-from cachefs.identity import FileId
+from cachefs.fuse.serve import NAME_MAX, ServeTable, decode_report
+from cachefs.identity import Attr, FileId
 from cachefs.nodes import Backings, NodeOpen, Nodes
 
 if TYPE_CHECKING:
@@ -33,12 +35,18 @@ class Published:
     _opens: dict[int, NodeOpen]
     _opens_lock: threading.Lock
     _backings: Backings | None
-    _table: OpenTable | None
+    _table: ServeTable | None
     _published: dict[bytes, int]  # Backings key -> the node published with it
-    # (node, its state, forgotten) to take back, or (0, None, False, key) for a dropped copy
-    _unpublished: queue.SimpleQueue[tuple[int, NodeOpen | None, bool, bytes]]
+    # What the reaper takes back: ("node", node id, its state, forgotten), ("copy", key),
+    # ("name", node id, parent), or ("stop",)
+    _unpublished: queue.SimpleQueue[tuple]
+    _named: collections.OrderedDict[int, int]  # node id -> parent: published names, oldest first
+    _naming: set[int]  # names being taken back (not published again until then)
+    _names_lock: threading.Lock
+    _name_limit: int
     _node_lock: Callable[..., contextlib.AbstractContextManager[None]]
     _closed: Callable[[NodeOpen], None]
+    _forgotten: Callable[[int], None]
 
     def _publish_known(self, nodeid: int, fid: FileId, new: bool) -> None:
         """A file looked up whose cached copy has a backing id already (opened in an earlier
@@ -74,12 +82,80 @@ class Published:
             self._published[eid] = nodeid
         self._check_doomed(eid)
 
+    def _publish_name(self, nodeid: int, parent: int, name: bytes, path: str, a: Attr, entry: bytes) -> None:
+        """A file looked up (by this process) has its name published: the serving processes
+        answer its next lookups and forgets, and its getattrs, until its attributes are due
+        for a check (--metadata-ttl). The node and its directory are pinned meanwhile: the
+        kernel's forgets of them go uncounted here (see Nodes.pin). At most _name_limit
+        names are published, the oldest taken back first."""
+        table = self._table
+        if table is None or not a.is_file or len(name) > NAME_MAX:
+            return
+        expiry = self.core.attr_expiry(path)
+        if expiry is None:
+            return
+        deadline = int(expiry * 1e9)
+        with self._names_lock:
+            if nodeid in self._naming:
+                return  # being taken back: published again at a lookup after that
+            if nodeid in self._named:
+                table.publish_name(nodeid, parent, name, entry, deadline)  # a new deadline
+                return
+            found = table.entry(parent, name, -1 << 62)
+            if found is not None and found[0] != nodeid:
+                self._take_name(found[0])  # the name's older version
+            if not self.nodes.pin(nodeid):
+                return  # forgotten meanwhile
+            if not self.nodes.pin(parent):
+                self.nodes.unpin(nodeid)
+                return
+            if not table.publish_name(nodeid, parent, name, entry, deadline):
+                self.nodes.unpin(nodeid)
+                self.nodes.unpin(parent)
+                return
+            self._named[nodeid] = parent
+            while len(self._named) > self._name_limit:
+                self._take_name(next(iter(self._named)))
+
+    def _take_name(self, nodeid: int) -> None:
+        """Lookups of the node's name go to this process again; its lookups counted by the
+        serving processes are folded into the node's references by the reaper (under
+        _names_lock)."""
+        assert self._table is not None
+        parent = self._named.pop(nodeid, None)
+        if parent is None:
+            return
+        self._table.unpublish_name(nodeid)
+        self._naming.add(nodeid)
+        self._unpublished.put(("name", nodeid, parent))
+
+    def _unname(self, path: str) -> None:
+        """The file at `path` changed on the source: its name goes to this process again."""
+        if self._table is None:
+            return
+        nodeid = self.nodes.id_of(path)
+        if nodeid is not None:
+            with self._names_lock:
+                self._take_name(nodeid)
+
+    def _name_taken(self, table: ServeTable, nodeid: int, parent: int) -> None:
+        """After quiesce: the name's node and its directory unpinned, the lookups the
+        serving processes counted added to the node's references. A node nobody holds any
+        more is forgotten then."""
+        gone = self.nodes.unpin(nodeid, table.take_lookups(nodeid))
+        with self._names_lock:
+            self._naming.discard(nodeid)
+        if gone:
+            self._forgotten(nodeid)
+        if self.nodes.unpin(parent):
+            self._forgotten(parent)
+
     def _check_doomed(self, key: bytes) -> None:
         """After a publish: a tier that dropped the copy meanwhile (its _dropped found no
         node yet) gets the node taken back all the same."""
         assert self._backings is not None
         if self._backings.doomed(key):
-            self._unpublished.put((0, None, False, key))
+            self._unpublished.put(("copy", key))
 
     def _dropped(self, eid: bytes) -> None:
         """A tier dropped an entry: the node published with its file is taken back from the
@@ -88,18 +164,18 @@ class Published:
         last close. Until then the kernel reads the dropped copy, the same bytes."""
         for key in (eid, eid + b"r"):  # see Backings.key
             if key in self._published:
-                self._unpublished.put((0, None, False, key))
+                self._unpublished.put(("copy", key))
         if self._backings is not None:
             self._backings.dropped(eid)
 
     def _reap_loop(self) -> None:
-        """Nodes to take back from the serving processes: forgotten by the kernel (forget
-        cleared their slots), or published with a copy a tier dropped (their slots are
-        cleared here, if the node still stands for that copy). Once no serving process can
-        still be answering from an old slot (quiesce), the opens counted in the table are
-        folded into the main process's count. A forgotten node is then gone and its id
-        free; a dropped one lives until its last release, which the serving processes
-        forward."""
+        """What to take back from the serving processes: nodes forgotten by the kernel
+        (forget cleared their slots), nodes published with a copy a tier dropped (their
+        slots are cleared here, if the node still stands for that copy), and names (cleared
+        by _take_name). Once no serving process can still be answering from an old slot
+        or record (quiesce), the opens and lookups counted in the table are folded into
+        this process's counts. A forgotten node is then gone and its id free; a dropped
+        one lives until its last release, which the serving processes forward."""
         table = self._table
         assert table is not None and self.session is not None
         while True:
@@ -107,12 +183,12 @@ class Published:
             time.sleep(0.005)  # a batch forget comes as many: one wait for all of them
             while not self._unpublished.empty():
                 batch.append(self._unpublished.get())
-            if any(nodeid == 0 and not key for nodeid, _, _, key in batch):
+            if any(item[0] == "stop" for item in batch):
                 return
-            taken = [(nodeid, state, forgotten) for nodeid, state, forgotten, key in batch
-                     if not key and state is not None]
-            taken += [found for _, _, _, key in batch if key and (found := self._unpublish_dropped(table, key))]
-            if not taken:
+            taken = [item[1:] for item in batch if item[0] == "node"]
+            taken += [found for item in batch if item[0] == "copy" and (found := self._unpublish_copy(table, item[1]))]
+            names = [item[1:] for item in batch if item[0] == "name"]
+            if not taken and not names:
                 continue
             waited = 0
             while not table.quiesce(self.session.servers_alive):
@@ -123,8 +199,13 @@ class Published:
                     self._take_back(table, nodeid, state, forgotten)
                 except Exception:
                     log.exception("taking node %d back from the serving processes failed", nodeid)
+            for nodeid, parent in names:
+                try:
+                    self._name_taken(table, nodeid, parent)
+                except Exception:
+                    log.exception("taking the name of node %d back from the serving processes failed", nodeid)
 
-    def _unpublish_dropped(self, table: OpenTable, key: bytes) -> tuple[int, NodeOpen, bool] | None:
+    def _unpublish_copy(self, table: ServeTable, key: bytes) -> tuple[int, NodeOpen, bool] | None:
         nodeid = self._published.get(key)
         if nodeid is None:
             return None
@@ -135,7 +216,7 @@ class Published:
             table.unpublish(nodeid)
             return nodeid, state, False
 
-    def _take_back(self, table: OpenTable, nodeid: int, state: NodeOpen, forgotten: bool) -> None:
+    def _take_back(self, table: ServeTable, nodeid: int, state: NodeOpen, forgotten: bool) -> None:
         closing = None
         with self._node_lock(nodeid, refusable=False):
             if self._opens.get(nodeid) is state:  # not torn down, nor another node's since
@@ -164,15 +245,21 @@ class Published:
             add[f"fuse.{kind}"] = n
             add[f"fuse.{kind}_us"] = micros
         add["serve.answered"] = sum(n for n, _ in counts.values())
+        add["metadata.hits"] = counts["lookup"][0] + counts["getattr"][0]
         self.core.stats.add_many(add)
         for nodeid in opened:
             state = self._opens.get(nodeid)
-            if state is None:
+            fid = state.fid if state is not None else self.nodes.file_id(nodeid)  # taken back since
+            if fid is None:
                 continue
             try:
-                again, _ = self.core.open_file(state.fid, fill=False)
+                again, _ = self.core.open_file(fid, fill=False)
             except Exception as exc:  # counting only: it never fails a reader
-                log.debug("counting an open of %s failed: %s", state.fid.path, exc)
+                log.debug("counting an open of %s failed: %s", fid.path, exc)
                 continue
             if again is not None:
+                if state is not None and state.published and again.in_ram and Backings.key(again) != state.eid:
+                    # RAM took the file: the node is taken back, and once its opens have
+                    # closed, the next one registers the RAM copy (one backing per inode)
+                    self._unpublished.put(("copy", state.eid))
                 again.release()

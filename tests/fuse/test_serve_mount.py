@@ -178,3 +178,44 @@ def test_a_file_promoted_to_ram_is_read_from_ram_by_the_kernel(tmp_path, mounts)
     assert resident_pages(tmp_path / "cache" / "store" / "data") == 0
     s = stats(mp)
     assert s["ram"]["hits"] >= len(data) and s["fuse"].get("errors", 0) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_serving_processes_answer_lookups_after_the_kernel_forgot_the_names(tmp_path, mounts):
+    """Once looked up by the daemon, a file's name is published: after the kernel dropped
+    its dentries and inodes, the next epoch's lookups, opens, releases and forgets are the
+    serving processes' (the daemon sees the directories' lookups), with the same node ids,
+    and a file changed on the source is seen once its attributes are due for a check."""
+    src = tmp_path / "src"
+    data = make_tree(src, dirs=2, files=30)
+    mp = passthrough_mount(mounts, src, "--serve-processes", "1", "--metadata-ttl", "3")
+    epoch(mp, data, 1)  # into NVMe
+    epoch(mp, data, 2)  # into RAM (counted at the serving process's report, which stats wait for)...
+    deadline = time.monotonic() + 10
+    while stats(mp)["serve"]["published"] and time.monotonic() < deadline:
+        time.sleep(0.05)  # ...so the nodes published with their NVMe copies are taken back
+    epoch(mp, data, 3)  # and published again with their RAM copies
+    inodes = {rel: os.stat(mp / rel).st_ino for rel in data}
+    before = stats(mp)
+    n, cached = len(data), sum(1 for blob in data.values() if blob)
+    assert before["serve"]["names"] == n and before["serve"]["published"] == cached
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    epoch(mp, data, 4)
+    after = stats(mp)
+    assert after["fuse"]["lookup"] - before["fuse"]["lookup"] >= n
+    answered = after["serve"]["answered"] - before["serve"]["answered"]
+    assert answered >= n + 2 * cached  # a lookup each, an open and a release each cached file
+    # the daemon's: the directories' lookups, and the opens and releases of empty files
+    assert after["serve"]["forwarded"] - before["serve"]["forwarded"] <= 2 * (n - cached) + 10
+    assert {rel: os.stat(mp / rel).st_ino for rel in data} == inodes  # the source's inode numbers
+    assert after["fuse"].get("errors", 0) == 0
+    # changed on the source: within the TTL the old version, then the new one
+    rel = next(r for r, blob in data.items() if blob)
+    (src / rel).write_bytes(b"new version")
+    time.sleep(3.5)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    assert (mp / rel).read_bytes() == b"new version"
+    data[rel] = b"new version"
+    epoch(mp, data, 5)

@@ -5,7 +5,7 @@ system is an OPEN, an IOCTL (Python's `isatty()`) and a RELEASE per open. One Py
 process answers them one at a time, whatever the number of cores. So the session can start
 serving processes (`python -m cachefs.fuse.serve`), each reading its own cloned `/dev/fuse`
 descriptor of the same connection (the kernel hands each request to whichever reader
-waits). A serving process answers from shared memory (`OpenTable`):
+waits). A serving process answers from shared memory (`ServeTable`):
 
   - IOCTL: ENOTTY; a write of any kind: EROFS;
   - OPEN of a node the main process published (a backing id registered for it): the
@@ -47,6 +47,8 @@ import sys
 import time
 from array import array
 
+import xxhash
+
 from cachefs.fuse import protocol as p
 
 OWN_FH = 1 << 63          # the handle of an open of a published node: its release may be answered anywhere
@@ -57,12 +59,21 @@ REPORT_AFTER = 0.05       # seconds idle before a report of what is pending
 SEND_BUFFER = 4 << 20     # the forward socket's buffer (the kernel caps it at net.core.wmem_max)
 PR_SET_PDEATHSIG = 1
 
-_MAGIC = b"cfsopen1"
-_HEADER = struct.Struct("<8sQI")          # magic, capacity, processes
+_MAGIC = b"cfsserv2"
+_HEADER = struct.Struct("<8sQIQ")         # magic, capacity, processes, buckets
+# A node's record: seq (odd while the main process writes it), parent, deadline (monotonic
+# ns), name length (0: not published), entry length; the packed entry_out; the name
+_RECORD_HEAD = struct.Struct("<IIqHH4x")
+_SEQ = struct.Struct("<I")
+_ENTRY = _RECORD_HEAD.size
+_NAME = _ENTRY + 128
+RECORD = 256
+NAME_MAX = RECORD - _NAME                  # longer names are looked up by the main process
 _PREFIX = struct.Struct("<I")              # a forwarded message: the serving process's index
 # A report: requests answered per kind and their microseconds (the requests forwarded, with
 # no time), then the node ids opened (u32)
-REPORT_COUNTS = ("open", "release", "other", "forwarded")
+REPORT_COUNTS = ("open", "release", "lookup", "getattr", "forget", "batch_forget", "other", "forwarded")
+_OPEN, _RELEASE, _LOOKUP, _GETATTR, _FORGET, _BATCH_FORGET, _OTHER, _FORWARDED = range(len(REPORT_COUNTS))
 _REPORT = struct.Struct("<" + "Q" * (2 * len(REPORT_COUNTS)))
 _OPEN_REPLY = struct.Struct("<IiQQIi")    # out header + fuse_open_out
 _LINE = 64                                 # each process's busy counter on a cache line of its own
@@ -75,46 +86,101 @@ MAX_FORWARDED = 64        # requests forwarded and not answered yet, per serving
 MAIN_CHECK = 0.05         # seconds a look at whether the main process is stopped stays good
 
 
-class OpenTable:
+class ServeTable:
     """The shared memory of the main process and its serving processes (see the module
-    docstring). Layout: header, one cache line per process (its busy counter, requests
-    answered but not reported yet, reports sent), then a u32 backing id per node, then per
-    serving process an i32 open count per node. The file is sparse: pages are touched only
-    for the node ids in use."""
+    docstring). Layout: a header line, one cache line per process (its busy counter,
+    requests answered but not reported yet, reports sent...), then per node id a u32
+    backing id, per serving process an i32 open count and an i64 lookup count per node,
+    the names' hash buckets (u64 key, u64 node id), and a RECORD per node (its published
+    name and entry). The file is sparse: pages are touched only for the node ids in use
+    (they are given out densely, see Nodes.recycle) and the buckets' pages."""
 
-    def __init__(self, fd: int, capacity: int, processes: int):
-        self.fd, self.capacity, self.processes = fd, capacity, processes
-        size = self.size(capacity, processes)
-        self._map = mmap.mmap(fd, size)
+    def __init__(self, fd: int, capacity: int, processes: int, buckets: int):
+        self.fd, self.capacity, self.processes, self.buckets = fd, capacity, processes, buckets
+        self._map = mmap.mmap(fd, self.size(capacity, processes, buckets))
         view = memoryview(self._map)
         base = _LINE * (1 + processes)
         self.busy = view[_LINE:base].cast("Q")  # index k * (_LINE // 8): process k's counter
         self.slots = view[base:base + 4 * capacity].cast("I")
-        self._counts = [view[base + 4 * capacity * (1 + k):base + 4 * capacity * (2 + k)].cast("i")
+        base += 4 * capacity
+        self._counts = [view[base + 4 * capacity * k:base + 4 * capacity * (k + 1)].cast("i")
                         for k in range(processes)]
+        base += 4 * capacity * processes
+        self._lookups = [view[base + 8 * capacity * k:base + 8 * capacity * (k + 1)].cast("q")
+                         for k in range(processes)]
+        base += 8 * capacity * processes
+        self.bucket = view[base:base + 16 * buckets].cast("Q")  # [2i]: key, [2i + 1]: node id
+        base += 16 * buckets
+        self.records = view[base:base + RECORD * capacity]
+        self._used = 0  # buckets ever written since the last rebuild (the main process's)
 
     @staticmethod
-    def size(capacity: int, processes: int) -> int:
-        return _LINE * (1 + processes) + 4 * capacity * (1 + processes)
+    def size(capacity: int, processes: int, buckets: int) -> int:
+        return (_LINE * (1 + processes) + 4 * capacity * (1 + processes) + 8 * capacity * processes
+                + 16 * buckets + RECORD * capacity)
 
     @classmethod
-    def create(cls, capacity: int, processes: int) -> OpenTable:
-        """A new table in a memfd (inherited by the serving processes)."""
-        fd = os.memfd_create("cachefs-open-table", 0)  # not CLOEXEC: passed to the children
-        os.ftruncate(fd, cls.size(capacity, processes))
-        os.pwrite(fd, _HEADER.pack(_MAGIC, capacity, processes), 0)
-        return cls(fd, capacity, processes)
+    def create(cls, capacity: int, processes: int, names: int = 0) -> ServeTable:
+        """A new table in a memfd (inherited by the serving processes), with room for
+        `names` published names (hash buckets at most half full)."""
+        buckets = 1 << max(4, (2 * max(names, 1) - 1).bit_length())
+        fd = os.memfd_create("cachefs-serve-table", 0)  # not CLOEXEC: passed to the children
+        os.ftruncate(fd, cls.size(capacity, processes, buckets))
+        os.pwrite(fd, _HEADER.pack(_MAGIC, capacity, processes, buckets), 0)
+        return cls(fd, capacity, processes, buckets)
 
     @classmethod
-    def attach(cls, fd: int) -> OpenTable:
-        magic, capacity, processes = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
+    def attach(cls, fd: int) -> ServeTable:
+        magic, capacity, processes, buckets = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
         if magic != _MAGIC:
-            raise ValueError("not a cachefs open table")
-        return cls(fd, capacity, processes)
+            raise ValueError("not a cachefs serving table")
+        return cls(fd, capacity, processes, buckets)
 
     def counts(self, index: int) -> memoryview:
         """Serving process `index`'s open counts (index 0 is the first serving process)."""
         return self._counts[index]
+
+    def lookups(self, index: int) -> memoryview:
+        """Serving process `index`'s lookup counts (lookups answered less forgets taken)."""
+        return self._lookups[index]
+
+    # -- names (both sides) ---------------------------------------------------------------
+
+    def entry(self, parent: int, name: bytes, now_ns: int) -> tuple[int, bytes] | None:
+        """The node and packed entry_out published for `name` in directory `parent`, if
+        any and still valid at `now_ns` (CLOCK_MONOTONIC). A record being written, or a
+        bucket seen half written, is a miss: the main process answers."""
+        key = name_key(parent, name)
+        bucket, records, mask = self.bucket, self.records, self.buckets - 1
+        i = key & mask
+        while True:
+            found = bucket[2 * i]
+            if not found:
+                return None
+            if found == key:
+                nodeid = bucket[2 * i + 1]
+                if 0 < nodeid < self.capacity:
+                    off = nodeid * RECORD
+                    seq, rparent, deadline, namelen, entrylen = _RECORD_HEAD.unpack_from(records, off)
+                    if (not seq & 1 and rparent == parent and namelen == len(name) and deadline > now_ns
+                            and records[off + _NAME:off + _NAME + namelen] == name):
+                        entry = bytes(records[off + _ENTRY:off + _ENTRY + entrylen])
+                        if _SEQ.unpack_from(records, off)[0] == seq:
+                            return nodeid, entry
+                        return None
+            i = (i + 1) & mask
+
+    def named(self, nodeid: int, now_ns: int = 0) -> bytes | None:
+        """The entry_out of a node whose name is published (valid at `now_ns` if given),
+        else None."""
+        if not 0 < nodeid < self.capacity:
+            return None
+        off = nodeid * RECORD
+        seq, _, deadline, namelen, entrylen = _RECORD_HEAD.unpack_from(self.records, off)
+        if seq & 1 or not namelen or deadline <= now_ns:
+            return None
+        entry = bytes(self.records[off + _ENTRY:off + _ENTRY + entrylen])
+        return entry if _SEQ.unpack_from(self.records, off)[0] == seq else None
 
     # -- the main process's side ---------------------------------------------------------
 
@@ -129,6 +195,75 @@ class OpenTable:
     def unpublish(self, nodeid: int) -> None:
         if 0 < nodeid < self.capacity:
             self.slots[nodeid] = 0
+
+    def publish_name(self, nodeid: int, parent: int, name: bytes, entry: bytes, deadline_ns: int) -> bool:
+        """Lookups of `name` in `parent` may be answered with `entry` (node `nodeid`) by any
+        process until `deadline_ns`; a node published already under this name has its
+        entry and deadline replaced. One writer at a time (the caller's lock). False when
+        the name or the node id does not fit."""
+        if not 0 < nodeid < self.capacity or not 0 < len(name) <= NAME_MAX or len(entry) > _NAME - _ENTRY:
+            return False
+        records, off = self.records, nodeid * RECORD
+        seq, rparent, _, namelen, _ = _RECORD_HEAD.unpack_from(records, off)
+        known = namelen and rparent == parent and records[off + _NAME:off + _NAME + namelen] == name
+        _SEQ.pack_into(records, off, seq + 1)  # odd: being written (a reader forwards)
+        _RECORD_HEAD.pack_into(records, off, seq + 1, parent, deadline_ns, len(name), len(entry))
+        records[off + _ENTRY:off + _ENTRY + len(entry)] = entry
+        records[off + _NAME:off + _NAME + len(name)] = name
+        _SEQ.pack_into(records, off, seq + 2)
+        if not known:
+            self._insert(name_key(parent, name), nodeid)
+        return True
+
+    def unpublish_name(self, nodeid: int) -> None:
+        """Lookups of the node's name go to the main process from now on (a serving process
+        may still be answering one: see quiesce)."""
+        if not 0 < nodeid < self.capacity:
+            return
+        records, off = self.records, nodeid * RECORD
+        seq, parent, _, namelen, _ = _RECORD_HEAD.unpack_from(records, off)
+        if not namelen:
+            return
+        name = bytes(records[off + _NAME:off + _NAME + namelen])
+        _SEQ.pack_into(records, off, seq + 1)
+        _RECORD_HEAD.pack_into(records, off, seq + 1, 0, 0, 0, 0)
+        _SEQ.pack_into(records, off, seq + 2)
+        key, mask = name_key(parent, name), self.buckets - 1
+        i = key & mask
+        while self.bucket[2 * i]:
+            if self.bucket[2 * i] == key and self.bucket[2 * i + 1] == nodeid:
+                self.bucket[2 * i + 1] = 0  # a tombstone: probes go on past it
+                return
+            i = (i + 1) & mask
+
+    def _insert(self, key: int, nodeid: int) -> None:
+        if self._used + 1 > self.buckets * 3 // 4:
+            self._rebuild()
+        bucket, mask = self.bucket, self.buckets - 1
+        i = key & mask
+        while bucket[2 * i] and bucket[2 * i + 1]:  # taken: probe on (a tombstone is reused)
+            i = (i + 1) & mask
+        if not bucket[2 * i]:
+            self._used += 1
+        bucket[2 * i + 1] = 0
+        bucket[2 * i] = key  # the key before the node id: a reader never pairs a key with another's id
+        bucket[2 * i + 1] = nodeid
+
+    def _rebuild(self) -> None:
+        """Drop the tombstones: the live buckets are written again into cleared ones.
+        Lookups meanwhile may miss, and go to the main process."""
+        live = [(self.bucket[2 * i], self.bucket[2 * i + 1]) for i in range(self.buckets)
+                if self.bucket[2 * i] and self.bucket[2 * i + 1]]
+        for i in range(2 * self.buckets):
+            self.bucket[i] = 0
+        self._used = 0
+        for key, nodeid in live:
+            self._insert(key, nodeid)
+
+    def take_lookups(self, nodeid: int) -> int:
+        """The serving processes' lookup counts of `nodeid`, summed and zeroed (after
+        unpublish_name and quiesce, when no process changes them)."""
+        return self._take(self._lookups, nodeid)
 
     def quiesce(self, alive: list[bool], timeout: float = 5.0) -> bool:
         """Wait until every live serving process is idle or has finished the request it was
@@ -159,23 +294,31 @@ class OpenTable:
     def take_counts(self, nodeid: int) -> int:
         """The serving processes' open counts of `nodeid`, summed and zeroed (after
         unpublish and quiesce, when no process changes them)."""
+        return self._take(self._counts, nodeid)
+
+    def _take(self, columns: list[memoryview], nodeid: int) -> int:
         if not 0 < nodeid < self.capacity:
             return 0
         total = 0
-        for column in self._counts:
+        for column in columns:
             total += column[nodeid]
             column[nodeid] = 0
         return total
 
     def close(self) -> None:
-        for v in (self.busy, self.slots, *self._counts):
+        for v in (self.busy, self.slots, self.bucket, self.records, *self._counts, *self._lookups):
             v.release()
-        self._counts = []
+        self._counts, self._lookups = [], []
         try:
             self._map.close()
         except BufferError:
             pass
         os.close(self.fd)
+
+
+def name_key(parent: int, name: bytes) -> int:
+    """The hash key of a name in a directory (never 0: an empty bucket)."""
+    return xxhash.xxh3_64_intdigest(name, seed=parent) | 1
 
 
 def decode_report(data: memoryview) -> tuple[dict[str, tuple[int, int]], array]:
@@ -194,7 +337,7 @@ class Server:
     """One serving process's loop (single-threaded: it never waits on anything but the
     kernel and, when full, the forward socket)."""
 
-    def __init__(self, index: int, fuse_fd: int, table: OpenTable, forward: socket.socket, bufsize: int):
+    def __init__(self, index: int, fuse_fd: int, table: ServeTable, forward: socket.socket, bufsize: int):
         self.index, self.fd, self.table, self.forward = index, fuse_fd, table, forward
         self.buf = bytearray(bufsize)
         self.prefix = _PREFIX.pack(index)
@@ -204,7 +347,7 @@ class Server:
         self.main_pid: int | None = None  # whose stop holds the reading (see main_stopped)
         self._stat_fd = -1
 
-    # Long (92 lines) for a reason: the hot loop, one function so that its names stay local
+    # Long (113 lines) for a reason: the hot loop, one function so that its names stay local
     def run(self) -> int:
         """Serve until the connection is gone (0), or fail (1)."""
         fd, buf = self.fd, self.buf
@@ -212,6 +355,7 @@ class Server:
         table = self.table
         busy, step = table.busy, self.index * (_LINE // 8)
         slots, counts, capacity = table.slots, table.counts(self.index), table.capacity
+        lookups, entry_of, named = table.lookups(self.index), table.entry, table.named
         header = p.IN_HEADER.unpack_from
         u64 = struct.Struct("<Q").unpack_from
         u32 = struct.Struct("<I").unpack_from
@@ -219,7 +363,7 @@ class Server:
         error_reply = p.OUT_HEADER.pack
         own_flags = p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH
         write_flags = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
-        clock = time.perf_counter
+        clock, now_ns = time.perf_counter, time.monotonic_ns
         stats, opened = self.stats, self.opened
 
         def reply(data: bytes) -> bool:
@@ -258,14 +402,32 @@ class Server:
                     self.report()
                     return 0
                 continue
-            busy[step] += 1  # odd: answering (see OpenTable.quiesce)
+            busy[step] += 1  # odd: answering (see ServeTable.quiesce)
             start = clock()
             length, opcode, unique, nodeid = header(buf)[:4]
             backing = slots[nodeid] if 0 < nodeid < capacity and length == n else 0  # read once
             kind = -1
-            if opcode == p.IOCTL:
+            if opcode == p.LOOKUP and length == n:
+                found = entry_of(nodeid, bytes(view[p.IN_HEADER.size:n - 1]), now_ns())
+                if found is not None:
+                    child, entry = found
+                    lookups[child] += 1  # before the reply: a forget may follow at once
+                    if not reply(error_reply(16 + len(entry), 0, unique) + entry):
+                        lookups[child] -= 1  # interrupted: the kernel did not count it
+                    kind = _LOOKUP
+            elif opcode == p.FORGET and length == n >= 48 and named(nodeid) is not None:
+                lookups[nodeid] -= u64(buf, 40)[0]
+                kind = _FORGET
+            elif opcode == p.BATCH_FORGET and length == n:
+                kind = self.batch_forget(view, n)
+            elif opcode == p.GETATTR and length == n:
+                known = named(nodeid, now_ns())
+                if known is not None:  # attr_out: the entry's attribute timeout and attributes
+                    reply(error_reply(16 + 104, 0, unique) + known[24:32] + known[36:40] + bytes(4) + known[40:])
+                    kind = _GETATTR
+            elif opcode == p.IOCTL:
                 reply(error_reply(16, -errno.ENOTTY, unique))
-                kind = 2
+                kind = _OTHER
             elif opcode == p.OPEN and backing:
                 if u32(buf, 40)[0] & write_flags:
                     reply(error_reply(16, -errno.EROFS, unique))
@@ -275,28 +437,53 @@ class Server:
                         opened.append(nodeid)
                     else:
                         counts[nodeid] -= 1  # interrupted: the kernel will not release it
-                kind = 0
+                kind = _OPEN
             elif opcode == p.RELEASE and backing and u64(buf, 40)[0] & OWN_FH:
                 counts[nodeid] -= 1
                 reply(error_reply(16, 0, unique))
-                kind = 1
+                kind = _RELEASE
             elif opcode in p.WRITE_OPS:
                 reply(error_reply(16, -errno.EROFS, unique))
-                kind = 2
-            else:
+                kind = _OTHER
+            if kind < 0:
                 busy[step] += 1  # idle again: forwarding reads no slot, and may wait for the daemon
                 busy[step + FORWARDED] += 1
                 self.forward.sendmsg([self.prefix, view[:n]])
-                stats[6] += 1
+                stats[2 * _FORWARDED] += 1
                 continue
             busy[step] += 1  # even: idle
-            if kind >= 0:
-                stats[2 * kind] += 1
-                stats[2 * kind + 1] += int((clock() - start) * 1e6)
-                self.answered += 1
-                busy[step + PENDING] = self.answered
-                if self.answered >= REPORT_EVERY:
-                    self.report()
+            stats[2 * kind] += 1
+            stats[2 * kind + 1] += int((clock() - start) * 1e6)
+            self.answered += 1
+            busy[step + PENDING] = self.answered
+            if self.answered >= REPORT_EVERY:
+                self.report()
+
+    def batch_forget(self, view: memoryview, n: int) -> int:
+        """A BATCH_FORGET: the forgets of published nodes taken here (their lookups were
+        counted in the table), the rest forwarded as a batch of their own. The kind to
+        count, or -1 when nothing was taken (the whole request is forwarded)."""
+        start = p.IN_HEADER.size + p.BATCH_FORGET_IN.size
+        count = min(p.BATCH_FORGET_IN.unpack_from(view, p.IN_HEADER.size)[0], (n - start) // p.FORGET_ONE.size)
+        lookups, named = self.table.lookups(self.index), self.table.named
+        rest = []
+        for i in range(count):
+            nodeid, nlookup = p.FORGET_ONE.unpack_from(view, start + i * p.FORGET_ONE.size)
+            if named(nodeid) is not None:
+                lookups[nodeid] -= nlookup
+            else:
+                rest.append(view[start + i * p.FORGET_ONE.size:start + (i + 1) * p.FORGET_ONE.size])
+        if len(rest) == count:
+            return -1
+        if rest:
+            length = start + len(rest) * p.FORGET_ONE.size
+            head = bytearray(view[:start])
+            struct.pack_into("<I", head, 0, length)
+            p.BATCH_FORGET_IN.pack_into(head, p.IN_HEADER.size, len(rest), 0)
+            self.table.busy[self.index * (_LINE // 8) + FORWARDED] += 1
+            self.forward.sendmsg([self.prefix, head, b"".join(rest)])
+            self.stats[2 * _FORWARDED] += 1
+        return _BATCH_FORGET
 
     def main_stopped(self) -> bool:
         """Whether the main process is stopped (its state in /proc: T, or t under a
@@ -363,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.getppid() != args.parent:
         return 0  # the daemon is gone already
     forward = socket.socket(fileno=args.forward_fd)
-    table = OpenTable.attach(args.table_fd)
+    table = ServeTable.attach(args.table_fd)
     server = Server(args.index, args.fuse_fd, table, forward, args.bufsize)
     server.main_pid = os.getppid()
     try:

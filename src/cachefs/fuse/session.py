@@ -35,7 +35,7 @@ from cachefs.fuse.ops import (
     Operations,
     Request,
 )
-from cachefs.fuse.serve import ANSWERED, PENDING, REPORT, REPORTS, SEND_BUFFER, WAKE, OpenTable, child_env
+from cachefs.fuse.serve import ANSWERED, PENDING, REPORT, REPORTS, SEND_BUFFER, WAKE, ServeTable, child_env
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class Session(Handlers):
         self._bufsize = max(8192, p.IN_HEADER.size + 80 + self.max_write, 256 << 10)
         # Serving processes (start_servers): their descriptors (our copies, for replies to
         # what they forward), the socket they forward on, and whether each is alive.
-        self.table: OpenTable | None = None
+        self.table: ServeTable | None = None
         self.servers: list[subprocess.Popen[bytes]] = []
         self.servers_alive: list[bool] = []
         self._server_fds: list[int] = []
@@ -227,12 +227,12 @@ class Session(Handlers):
             return self.fd
         return fd
 
-    def start_servers(self, count: int, capacity: int) -> OpenTable | None:
+    def start_servers(self, count: int, capacity: int, names: int = 0) -> ServeTable | None:
         """Start `count` serving processes (cachefs/fuse/serve.py) before start(): each reads
-        a cloned descriptor of this connection and answers the opens and releases of the
-        nodes published in the returned table; this process's threads then answer what
-        they forward instead of reading /dev/fuse. None (and nothing started) where the
-        descriptor cannot be cloned."""
+        a cloned descriptor of this connection and answers the lookups, opens and releases
+        of the names and nodes published in the returned table (room for `names` names);
+        this process's threads then answer what they forward instead of reading /dev/fuse.
+        None (and nothing started) where the descriptor cannot be cloned."""
         if count <= 0 or not self._clone:
             return None
         fds: list[int] = []
@@ -246,7 +246,7 @@ class Session(Handlers):
         self._rx, self._tx = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         for sock, opt in ((self._rx, socket.SO_RCVBUF), (self._tx, socket.SO_SNDBUF)):
             sock.setsockopt(socket.SOL_SOCKET, opt, SEND_BUFFER)
-        table = OpenTable.create(capacity, count)
+        table = ServeTable.create(capacity, count, names)
         env = child_env()
         for index, fd in enumerate(fds):
             cmd = [sys.executable, "-m", "cachefs.fuse.serve", "--index", str(index), "--fuse-fd", str(fd),
