@@ -48,17 +48,31 @@ class Published:
     _closed: Callable[[NodeOpen], None]
     _forgotten: Callable[[int], None]
 
-    def _publish_known(self, nodeid: int, fid: FileId, new: bool) -> None:
+    def _publish_known(self, nodeid: int, fid: FileId, new: bool, register: bool = False) -> None:
         """A file looked up whose cached copy has a backing id already (opened in an earlier
         epoch) is published before the kernel hears of the node: its opens and releases
-        then never reach this process (the serving processes count them)."""
+        then never reach this process (the serving processes count them). With `register`
+        (off the serving path), a RAM copy not registered yet is registered first."""
         assert self._backings is not None and self._table is not None
         eid = self.core.entry_id(fid)
         backing_id = self._backings.hold(eid + b"r")
         if backing_id:
             eid += b"r"
         elif self.core.cache.in_ram(eid):
-            return  # promoted since: the open registers the RAM copy
+            if not register:
+                return  # promoted since: the open registers the RAM copy
+            backing = self.core.cache.acquire_backing(eid)
+            if backing is None or not backing.in_ram:
+                if backing is not None:
+                    backing.release()
+                return
+            try:
+                backing_id = self._backings.get(backing)  # holds the copy itself
+            except OSError:
+                return
+            finally:
+                backing.release()
+            eid += b"r"
         else:
             backing_id = self._backings.hold(eid)
             if not backing_id:
@@ -217,6 +231,11 @@ class Published:
             return nodeid, state, False
 
     def _take_back(self, table: ServeTable, nodeid: int, state: NodeOpen, forgotten: bool) -> None:
+        """Fold a node's opens counted in the table into its state; a node forgotten, or
+        with nothing open any more, loses its state. A named node (lookups answered by the
+        serving processes, which never ask this process to publish it) whose copy was
+        superseded (RAM took the file) or dropped is published again at once with the copy
+        the tiers have now."""
         closing = None
         with self._node_lock(nodeid, refusable=False):
             if self._opens.get(nodeid) is state:  # not torn down, nor another node's since
@@ -235,6 +254,8 @@ class Published:
             self._closed(closing)
         if forgotten:
             self.nodes.recycle(nodeid)
+        elif closing is not None and nodeid in self._named:
+            self._publish_known(nodeid, state.fid, False, register=True)
 
     def served(self, report: memoryview) -> None:
         """A serving process's report: its requests counted, and the files it opened counted

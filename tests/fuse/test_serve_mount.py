@@ -156,9 +156,9 @@ def resident_pages(root) -> int:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
 def test_a_file_promoted_to_ram_is_read_from_ram_by_the_kernel(tmp_path, mounts):
-    """RAM takes a file from NVMe at its second open; once the kernel has forgotten its node,
-    opens pass the RAM copy through, not the NVMe one registered before (the NVMe files'
-    pages stay out of the page cache)."""
+    """RAM takes a file from NVMe at its second open; its node is then published again with
+    the RAM copy, and opens pass the RAM copy through, not the NVMe one registered before
+    (the NVMe files' pages stay out of the page cache)."""
     src = tmp_path / "src"
     src.mkdir()
     data = {f"f{i:02d}": os.urandom(20_000 + i) for i in range(40)}
@@ -168,12 +168,15 @@ def test_a_file_promoted_to_ram_is_read_from_ram_by_the_kernel(tmp_path, mounts)
     epoch(mp, data, 1)  # fetched whole at open, into NVMe
     epoch(mp, data, 2)  # RAM takes each
     assert stats(mp)["ram"]["promotions"] == len(data)
-    with open("/proc/sys/vm/drop_caches", "w") as f:
-        f.write("3\n")  # the kernel forgets the nodes too
+    # each node is taken back from the serving processes and published again with its RAM
+    # copy, registered beside the NVMe one (kept idle)
     deadline = time.monotonic() + 10
-    while stats(mp)["serve"]["published"] and time.monotonic() < deadline:
-        time.sleep(0.05)  # a node looked up again before its FORGET arrived would keep its copy
-    assert stats(mp)["serve"]["published"] == 0
+    while stats(mp)["opens"]["backing_files"] < 2 * len(data) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stats(mp)["opens"]["backing_files"] == 2 * len(data)
+    assert stats(mp)["serve"]["published"] == len(data)
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
     epoch(mp, data, 3)
     assert resident_pages(tmp_path / "cache" / "store" / "data") == 0
     s = stats(mp)
@@ -190,14 +193,14 @@ def test_serving_processes_answer_lookups_after_the_kernel_forgot_the_names(tmp_
     data = make_tree(src, dirs=2, files=30)
     mp = passthrough_mount(mounts, src, "--serve-processes", "1", "--metadata-ttl", "3")
     epoch(mp, data, 1)  # into NVMe
-    epoch(mp, data, 2)  # into RAM (counted at the serving process's report, which stats wait for)...
+    epoch(mp, data, 2)  # into RAM (counted at the serving process's report, which stats wait for)
+    n, cached = len(data), sum(1 for blob in data.values() if blob)
     deadline = time.monotonic() + 10
-    while stats(mp)["serve"]["published"] and time.monotonic() < deadline:
-        time.sleep(0.05)  # ...so the nodes published with their NVMe copies are taken back
-    epoch(mp, data, 3)  # and published again with their RAM copies
+    while stats(mp)["opens"]["backing_files"] < 2 * cached and time.monotonic() < deadline:
+        time.sleep(0.05)  # each node taken back and published again with its RAM copy
+    epoch(mp, data, 3)
     inodes = {rel: os.stat(mp / rel).st_ino for rel in data}
     before = stats(mp)
-    n, cached = len(data), sum(1 for blob in data.values() if blob)
     assert before["serve"]["names"] == n and before["serve"]["published"] == cached
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
