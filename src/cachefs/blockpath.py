@@ -335,6 +335,35 @@ class BlockPath:
         self._stats.add_many(served)
         return found, None
 
+    def count_opens(self, fids: list[FileId]) -> list[bool]:
+        """Opens the serving processes passed through (their reports): each file's blocks
+        count as hits of the tier its copy is in, as open_file counts them, in one stats
+        update, and a file on NVMe is promoted into RAM as at open_file. Whether each file
+        is in RAM now."""
+        add: dict[str, int] = {}
+        in_ram = []
+        for fid in fids:
+            eid = entry_id(self.namespace, fid, self.block_size)
+            if self._touch is not None:
+                self._touch(fid.path)  # its siblings are fetched ahead, as for a read
+            small = 0 < fid.size <= self.whole_file_max
+            tier = self._cache.count_open(eid, fid.size, promote=small and (eid, 0) not in self._guesses)
+            if tier is None:
+                in_ram.append(False)
+                continue
+            n = block_count(fid.size, self.block_size)
+            keys = ("ram.hits", "ram.served_bytes") if tier == "ram" else ("disk.hits", "disk.served_bytes")
+            add[keys[0]] = add.get(keys[0], 0) + n
+            add[keys[1]] = add.get(keys[1], 0) + fid.size
+            if tier == "disk":
+                add["ram.misses"] = add.get("ram.misses", 0) + n
+            if self._guesses or self._observers:
+                for index in range(n):
+                    self._heard((eid, index))
+            in_ram.append(tier == "ram" or self._cache.in_ram(eid))
+        self._stats.add_many(add)
+        return in_ram
+
     # -- ahead of the reader -----------------------------------------------------------------
 
     def _read_ahead(self, fid: FileId, offset: int, size: int) -> bool:

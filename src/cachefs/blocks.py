@@ -45,6 +45,9 @@ def entry_id(namespace: bytes, fid: FileId, block_size: int) -> bytes:
     return xxhash.xxh3_128_digest(key)
 
 
+ENTRY_ID_SIZE = 16  # bytes of an entry id (xxh3-128)
+
+
 def block_key(namespace: bytes, fid: FileId, index: int, block_size: int) -> tuple[bytes, int]:
     """The cache key of one block: (entry id, block index)."""
     return entry_id(namespace, fid, block_size), index

@@ -129,6 +129,7 @@ class Core:
         blocks = self.blocks
         self.read = blocks.read
         self.open_file = blocks.open_file
+        self.count_opens = blocks.count_opens
         self.prefetch_block = blocks.prefetch_block
         self.fetch_pinned = blocks.fetch_pinned
         self.prefetch_small = self.fills.fill

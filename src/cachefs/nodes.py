@@ -145,7 +145,7 @@ class Backings:
     def key(backing: Backing) -> bytes:
         """Which copy a backing id stands for: an entry may be registered once per tier (a
         file promoted to RAM is registered anew, so that the kernel reads the RAM copy)."""
-        return backing.eid + b"r" if backing.in_ram else backing.eid
+        return backing.eid + b"r" if backing.in_ram else backing.eid  # an entry id is ENTRY_ID_SIZE bytes
 
     def get(self, backing: Backing) -> int:
         """A backing id for the cached file, counted as one more open. OSError if the

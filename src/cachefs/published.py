@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from cachefs.blocks import ENTRY_ID_SIZE
 from cachefs.fuse.serve import NAME_MAX, ServeTable, decode_report
 from cachefs.identity import Attr, FileId
 from cachefs.nodes import Backings, NodeOpen, Nodes
@@ -268,19 +269,20 @@ class Published:
         add["serve.answered"] = sum(n for n, _ in counts.values())
         add["metadata.hits"] = counts["lookup"][0] + counts["getattr"][0]
         self.core.stats.add_many(add)
+        states, fids = [], []
         for nodeid in opened:
             state = self._opens.get(nodeid)
             fid = state.fid if state is not None else self.nodes.file_id(nodeid)  # taken back since
-            if fid is None:
-                continue
-            try:
-                again, _ = self.core.open_file(fid, fill=False)
-            except Exception as exc:  # counting only: it never fails a reader
-                log.debug("counting an open of %s failed: %s", fid.path, exc)
-                continue
-            if again is not None:
-                if state is not None and state.published and again.in_ram and Backings.key(again) != state.eid:
-                    # RAM took the file: the node is taken back, and once its opens have
-                    # closed, the next one registers the RAM copy (one backing per inode)
-                    self._unpublished.put(("copy", state.eid))
-                again.release()
+            if fid is not None:
+                states.append(state)
+                fids.append(fid)
+        try:
+            in_ram = self.core.count_opens(fids)
+        except Exception as exc:  # counting only: it never fails a reader
+            log.warning("counting %d opens the serving processes answered failed: %s", len(fids), exc)
+            return
+        for state, now_in_ram in zip(states, in_ram, strict=True):
+            if state is not None and state.published and now_in_ram and len(state.eid) == ENTRY_ID_SIZE:
+                # RAM took the file: the node is taken back, and once its opens have closed,
+                # published again with the RAM copy (one backing per inode while open)
+                self._unpublished.put(("copy", state.eid))

@@ -518,6 +518,18 @@ class FileStore:
             e = self._entries.get(eid)
             return None if e is None or not e.complete else self._acquired(eid, e)
 
+    def hit_whole(self, eid: bytes) -> bool:
+        """An open of the entry's file answered elsewhere (a serving process passed it
+        through): its blocks count as hits of the policy, as an open acquired here would;
+        False if the entry is not here whole."""
+        with self._lock:
+            e = self._entries.get(eid)
+            if e is None or not e.complete or not self._usable():
+                return False
+            for i in range(len(e.hashes)):
+                self.policy.hit((eid, i))
+            return True
+
     def needs_check(self, eid: bytes) -> bool:
         e = self._entries.get(eid)
         return e is not None and bool(e.unverified)
