@@ -430,3 +430,43 @@ def test_reads_that_wait_for_a_shared_nvme_fetch_count_as_hits(tmp_path, source)
     assert stats.get("disk.hits") == 1 + waits
     assert block_hit_rate(stats.get("ram.hits"), stats.get("ram.misses"), stats.get("disk.hits")) == 1.0
     disk.close()
+
+
+def test_opens_counted_from_a_report_count_as_opens_do(tmp_path):
+    """count_opens (the serving processes' reports) counts each tier's hits, bytes and RAM
+    promotions as open_file does for the same opens."""
+    from cachefs.stats import Stats
+    from cachefs.tiers.disk import DiskTier
+
+    names = ("counters", "served")
+    result = {}
+    for way in ("open_file", "count_opens"):
+        source = MemorySource()
+        fids = []
+        for i in range(5):
+            source.add_file(f"/d/f{i}", blob(1000 * (i + 1)))
+        disk = DiskTier(str(tmp_path / way), 10 << 20, Stats(), scrub=False)
+        core = make_core(source, disk=disk, block_size=BS)
+        core.hooks.connect(passthrough=True)  # whole files fetched at open go to NVMe
+        for i in range(5):
+            fid = core.file_id(f"/d/f{i}")
+            fids.append(fid)
+            backing, _ = core.open_file(fid)  # filled: NVMe
+            assert backing is not None and not backing.in_ram
+            backing.release()
+        before = {n: core.stats.get(n) for n in ("ram.hits", "ram.misses", "disk.hits", "ram.promotions",
+                                                 "ram.served_bytes", "disk.served_bytes")}
+        in_ram = []
+        for _ in range(2):  # promoted at the first, a RAM hit at the second
+            if way == "open_file":
+                for fid in fids:
+                    backing, _ = core.open_file(fid, fill=False)
+                    assert backing is not None
+                    in_ram.append(backing.in_ram)
+                    backing.release()
+            else:
+                in_ram += core.count_opens(fids)
+        result[way] = ({n: core.stats.get(n) - v for n, v in before.items()}, in_ram)
+    assert result["count_opens"][0] == result["open_file"][0]
+    assert result["open_file"][0]["ram.promotions"] == 5 and result["open_file"][0]["ram.hits"] == 5
+    assert result["count_opens"][1] == [True] * 10
