@@ -347,7 +347,7 @@ class Server:
         self.main_pid: int | None = None  # whose stop holds the reading (see main_stopped)
         self._stat_fd = -1
 
-    # Long (113 lines) for a reason: the hot loop, one function so that its names stay local
+    # Long (117 lines) for a reason: the hot loop, one function so that its names stay local
     def run(self) -> int:
         """Serve until the connection is gone (0), or fail (1)."""
         fd, buf = self.fd, self.buf
@@ -375,20 +375,25 @@ class Server:
 
         poller = select.poll()
         poller.register(fd, select.POLLIN)
+        os.set_blocking(fd, False)  # this process's own descriptor (a clone): reads never wait
         checked, stopped = -1.0, False
+        ready = False  # the last read found a request: the next is read without a poll first
         while True:
-            if not poller.poll(REPORT_AFTER * 1000 if self.answered else None):
+            if not ready and not poller.poll(REPORT_AFTER * 1000 if self.answered else None):
                 self.report()  # idle: what is pending goes now, so stats are never stale
                 continue
             now = time.monotonic()
             if now - checked > MAIN_CHECK:  # a request waits: is the main process there to answer?
                 checked, stopped = now, self.main_stopped()
             if stopped or busy[step + FORWARDED] - busy[step + ANSWERED] >= MAX_FORWARDED:
+                ready = False
                 time.sleep(0.02 if stopped else 0.002)  # the request stays with the kernel, killable
                 continue
             try:
                 n = os.readv(fd, [buf])
-            except InterruptedError:
+                ready = True
+            except (BlockingIOError, InterruptedError):
+                ready = False
                 continue
             except OSError as exc:
                 if exc.errno == errno.ENOENT:  # interrupted before it was read
