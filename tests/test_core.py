@@ -438,7 +438,6 @@ def test_opens_counted_from_a_report_count_as_opens_do(tmp_path):
     from cachefs.stats import Stats
     from cachefs.tiers.disk import DiskTier
 
-    names = ("counters", "served")
     result = {}
     for way in ("open_file", "count_opens"):
         source = MemorySource()
