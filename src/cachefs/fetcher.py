@@ -270,10 +270,11 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--fds", required=True, help="comma-separated channel descriptors")
     p.add_argument("--shared", help="the shared tier's servers (memcached://...)")
     p.add_argument("--shared-namespace", default="")
+    p.add_argument("--parent", type=int, required=True, help="the daemon's pid")
     args = p.parse_args(argv)
     die_with_parent()
-    if os.getppid() == 1:
-        return 0  # the daemon is already gone
+    if os.getppid() != args.parent:
+        return 0  # the daemon is already gone (pid 1 is no sign of it: a daemon may be pid 1, in a container)
     worker = _Worker(args.root, args.data, args.namespace.encode(), args.block_size, args.root_fd,
                      args.shared, args.shared_namespace)
     threads = []
@@ -316,7 +317,8 @@ class Fetchers:
         self._restarting = 0  # processes that ended and are to be started again
         self._per = max(1, -(-channels // processes))
         self._cmd = [sys.executable, "-m", "cachefs.fetcher", "--root", root, "--data", data_dir,
-                     "--namespace", namespace.decode(), "--block-size", str(block_size), "--root-fd", str(root_fd)]
+                     "--namespace", namespace.decode(), "--block-size", str(block_size), "--root-fd", str(root_fd),
+                     "--parent", str(os.getpid())]
         if shared:
             self._cmd += ["--shared", shared, "--shared-namespace", shared_namespace]
         self._root_fd = root_fd
