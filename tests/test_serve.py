@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -186,23 +187,37 @@ def test_published_names_are_found_by_parent_and_name_until_their_deadline(table
 
 
 def test_names_survive_many_publishes_and_unpublishes_in_a_small_table():
-    """Tombstones fill the buckets; a rebuild drops them and every live name is still found."""
-    t = ServeTable.create(capacity=1024, processes=1, names=16)
+    """Linear probing with backward-shift deletion: after any sequence of publishes and
+    unpublishes (random, in a table of 32 buckets), every live name is found, no other
+    is, and the buckets hold exactly the live names."""
+    rng = random.Random(3)
+    t = ServeTable.create(capacity=4096, processes=1, names=16)
     try:
         far = time.monotonic_ns() + 10**12
-        live: dict[int, bytes] = {}
-        for i in range(2, 1000):
-            name = f"f{i}".encode()
-            assert t.publish_name(i, 1, name, entry_for(i, i), far)
-            live[i] = name
-            if len(live) > 12:
-                old = min(live)
-                t.unpublish_name(old)
-                del live[old]
-        now = time.monotonic_ns()
-        for i, name in live.items():
-            assert t.entry(1, name, now) == (i, entry_for(i, i))
-        assert t.entry(1, b"f2", now) is None
+        live: dict[int, tuple[int, bytes]] = {}
+        gone: dict[int, tuple[int, bytes]] = {}
+        for step in range(3000):
+            if len(live) < 14 and (not live or rng.random() < 0.55):
+                nodeid = rng.randrange(2, 4096)
+                if nodeid in live:
+                    continue
+                parent, name = rng.randrange(1, 4), f"f{rng.randrange(40)}".encode()
+                if any(v == (parent, name) for v in live.values()):
+                    continue
+                assert t.publish_name(nodeid, parent, name, entry_for(nodeid, step), far)
+                live[nodeid] = (parent, name)
+                gone.pop(nodeid, None)
+            else:
+                nodeid = rng.choice(list(live))
+                t.unpublish_name(nodeid)
+                gone[nodeid] = live.pop(nodeid)
+            now = time.monotonic_ns()
+            for nodeid, (parent, name) in live.items():
+                assert t.entry(parent, name, now)[0] == nodeid  # type: ignore[index]
+            for nodeid, (parent, name) in gone.items():
+                found = t.entry(parent, name, now)
+                assert found is None or found[0] != nodeid
+            assert sum(1 for i in range(t.buckets) if t.bucket[2 * i]) == len(live)
     finally:
         t.close()
 
@@ -472,9 +487,18 @@ def test_published_names_pin_their_nodes_and_are_taken_back_oldest_first(tmp_pat
         fs._name_taken(table, ids[1], d)
         assert fs.nodes.file_id(ids[1]) is not None  # the kernel still holds it (one lookup)
         # a lookup of the new version: a new node, published under the name
+        old_attr = fs.nodes.version(ids[1])
         source.add_file("/d/f1", b"changed")
         new = p.ENTRY_OUT.unpack_from(fs.lookup(req, d, b"f1"))[0]
         assert new != ids[1] and table.entry(d, b"f1", time.monotonic_ns())[0] == new  # type: ignore[index]
+        # a lookup that found the old version and comes late publishes nothing over it
+        assert old_attr is not None
+        fs._publish_name(ids[1], d, b"f1", "/d/f1", old_attr, entry_for(ids[1], 1))
+        assert table.entry(d, b"f1", time.monotonic_ns())[0] == new  # type: ignore[index]
+        # a change found on the source takes the name back whichever node it is published with
+        fs.nodes._ids["/d/f1"] = ids[1]  # as if the path pointed elsewhere meanwhile
+        fs._source_changed("/d/f1")
+        assert table.entry(d, b"f1", time.monotonic_ns()) is None and new not in fs._named
     finally:
         fs._table = None
         table.close()

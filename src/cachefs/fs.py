@@ -266,7 +266,9 @@ class CachefsFS(Published, Operations):
             path = self._changed.get()
             if not path:
                 return
-            self._unname(path)  # before the kernel drops the name: its next lookup comes here
+            self._unname(path)  # before the kernel drops the name: its next lookup comes here,
+            if self._table is not None and self.session is not None:  # and no answer from before is on its way
+                self._table.quiesce(self.session.servers_alive)
             directory, _, name = path.rpartition("/")
             parent = self.nodes.id_of(directory or "/")
             if parent is not None and self.session is not None:

@@ -72,10 +72,13 @@ class _TTLCache:
             while len(self._data) > self._max:
                 self._data.popitem(last=False)
 
-    def expiry(self, key: str) -> float | None:
-        """When the entry expires (the clock's time), if it is there and not expired."""
+    def expiry(self, key: str) -> tuple[object, float] | None:
+        """The entry's value and when it expires (the clock's time), if it is there, not
+        expired, and not a negative entry."""
         hit = self._data.get(key)
-        return None if hit is None or hit[0] < self._clock() else hit[0]
+        if hit is None or hit[0] < self._clock() or isinstance(hit[1], int):
+            return None
+        return hit[1], hit[0]
 
     def pop(self, key: str) -> None:
         with self._lock:
@@ -167,10 +170,13 @@ class Metadata:
             return self._indexed(path)
         return None
 
-    def attr_expiry(self, path: str) -> float | None:
-        """When the attributes known for `path` are due for a check on the source (the
-        clock's time, time.monotonic by default); None if they are not known."""
-        return self._attrs.expiry(path)
+    def attr_expiry(self, path: str) -> tuple[Attr, float] | None:
+        """The attributes known for `path` and when they are due for a check on the
+        source (the clock's time, time.monotonic by default); None if none are known."""
+        known = self._attrs.expiry(path)
+        if known is None or not isinstance(known[0], Attr):
+            return None
+        return known[0], known[1]
 
     def attrs_of(self, paths: list[str], fetch: bool = False) -> dict[str, Attr]:
         """The attributes of those of `paths` the daemon knows (known_attr); with `fetch`,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 from cachefs.blocks import ENTRY_ID_SIZE
 from cachefs.fuse.serve import NAME_MAX, ServeTable, decode_report
 from cachefs.identity import Attr, FileId
-from cachefs.nodes import Backings, NodeOpen, Nodes
+from cachefs.nodes import Backings, NodeOpen, Nodes, version_of
 
 if TYPE_CHECKING:
     from cachefs.core import Core
@@ -106,19 +107,23 @@ class Published:
         table = self._table
         if table is None or not a.is_file or len(name) > NAME_MAX:
             return
-        expiry = self.core.attr_expiry(path)
-        if expiry is None:
-            return
-        deadline = int(expiry * 1e9)
         with self._names_lock:
+            if self.nodes.id_of(path) != nodeid:
+                return  # another lookup gave the path another version's node since
+            found = table.entry(parent, name, -1 << 62)
+            if found is not None and found[0] != nodeid:
+                self._take_name(found[0])  # the name's older version
+            # Read under the lock, which _unname takes after the metadata forgot a change:
+            # a name is never published with attributes the daemon has let go of.
+            known = self.core.attr_expiry(path)
+            if known is None or version_of(known[0]) != version_of(a):
+                return  # changed (or forgotten) since this lookup: the next one publishes
+            deadline = int(known[1] * 1e9)
             if nodeid in self._naming:
                 return  # being taken back: published again at a lookup after that
             if nodeid in self._named:
                 table.publish_name(nodeid, parent, name, entry, deadline)  # a new deadline
                 return
-            found = table.entry(parent, name, -1 << 62)
-            if found is not None and found[0] != nodeid:
-                self._take_name(found[0])  # the name's older version
             if not self.nodes.pin(nodeid):
                 return  # forgotten meanwhile
             if not self.nodes.pin(parent):
@@ -145,13 +150,19 @@ class Published:
         self._unpublished.put(("name", nodeid, parent))
 
     def _unname(self, path: str) -> None:
-        """The file at `path` changed on the source: its name goes to this process again."""
+        """The file at `path` changed on the source (and the metadata forgot it): its name
+        goes to this process again, whichever node it is published with."""
         if self._table is None:
             return
-        nodeid = self.nodes.id_of(path)
-        if nodeid is not None:
-            with self._names_lock:
+        directory, _, name = path.rpartition("/")
+        parent = self.nodes.id_of(directory or "/")
+        with self._names_lock:
+            nodeid = self.nodes.id_of(path)
+            if nodeid is not None:
                 self._take_name(nodeid)
+            found = None if parent is None else self._table.entry(parent, os.fsencode(name), -1 << 62)
+            if found is not None:
+                self._take_name(found[0])
 
     def _name_taken(self, table: ServeTable, nodeid: int, parent: int) -> None:
         """After quiesce: the name's node and its directory unpinned, the lookups the

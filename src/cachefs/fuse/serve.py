@@ -70,6 +70,7 @@ _NAME = _ENTRY + 128
 RECORD = 256
 NAME_MAX = RECORD - _NAME                  # longer names are looked up by the main process
 _PREFIX = struct.Struct("<I")              # a forwarded message: the serving process's index
+PREFIX_SIZE = _PREFIX.size                 # what a forwarded request is longer than the request
 # A report: requests answered per kind and their microseconds (the requests forwarded, with
 # no time), then the node ids opened (u32)
 REPORT_COUNTS = ("open", "release", "lookup", "getattr", "forget", "batch_forget", "other", "forwarded")
@@ -112,7 +113,7 @@ class ServeTable:
         self.bucket = view[base:base + 16 * buckets].cast("Q")  # [2i]: key, [2i + 1]: node id
         base += 16 * buckets
         self.records = view[base:base + RECORD * capacity]
-        self._used = 0  # buckets ever written since the last rebuild (the main process's)
+        self._live = 0  # names in the buckets (the main process's count)
 
     @staticmethod
     def size(capacity: int, processes: int, buckets: int) -> int:
@@ -206,13 +207,18 @@ class ServeTable:
         records, off = self.records, nodeid * RECORD
         seq, rparent, _, namelen, _ = _RECORD_HEAD.unpack_from(records, off)
         known = namelen and rparent == parent and records[off + _NAME:off + _NAME + namelen] == name
+        if namelen and not known:
+            self.unpublish_name(nodeid)  # published under another name: its bucket goes
+            seq += 2
         _SEQ.pack_into(records, off, seq + 1)  # odd: being written (a reader forwards)
         _RECORD_HEAD.pack_into(records, off, seq + 1, parent, deadline_ns, len(name), len(entry))
         records[off + _ENTRY:off + _ENTRY + len(entry)] = entry
         records[off + _NAME:off + _NAME + len(name)] = name
+        if not known and not self._insert(name_key(parent, name), nodeid):
+            _RECORD_HEAD.pack_into(records, off, seq + 1, 0, 0, 0, 0)  # no room: not published
+            _SEQ.pack_into(records, off, seq + 2)
+            return False
         _SEQ.pack_into(records, off, seq + 2)
-        if not known:
-            self._insert(name_key(parent, name), nodeid)
         return True
 
     def unpublish_name(self, nodeid: int) -> None:
@@ -228,37 +234,43 @@ class ServeTable:
         _SEQ.pack_into(records, off, seq + 1)
         _RECORD_HEAD.pack_into(records, off, seq + 1, 0, 0, 0, 0)
         _SEQ.pack_into(records, off, seq + 2)
-        key, mask = name_key(parent, name), self.buckets - 1
+        key, mask, bucket = name_key(parent, name), self.buckets - 1, self.bucket
         i = key & mask
-        while self.bucket[2 * i]:
-            if self.bucket[2 * i] == key and self.bucket[2 * i + 1] == nodeid:
-                self.bucket[2 * i + 1] = 0  # a tombstone: probes go on past it
-                return
+        while bucket[2 * i] != key or bucket[2 * i + 1] != nodeid:
+            if not bucket[2 * i]:
+                return  # not in the buckets (it did not fit)
             i = (i + 1) & mask
+        self._live -= 1
+        # Backward-shift deletion (linear probing keeps no tombstones): each later bucket of
+        # the run whose home is not between the hole and it moves into the hole. A reader
+        # probing meanwhile may miss its name (the lookup goes to the main process), and
+        # never pairs a key with another's node: the record is compared in full.
+        j = i
+        while True:
+            j = (j + 1) & mask
+            moving = bucket[2 * j]
+            if not moving:
+                break
+            if 0 < ((moving & mask) - i) & mask <= (j - i) & mask:
+                continue  # its home is in (i, j]: it stays
+            bucket[2 * i + 1] = 0
+            bucket[2 * i] = moving
+            bucket[2 * i + 1] = bucket[2 * j + 1]
+            i = j
+        bucket[2 * i + 1] = 0
+        bucket[2 * i] = 0
 
-    def _insert(self, key: int, nodeid: int) -> None:
-        if self._used + 1 > self.buckets * 3 // 4:
-            self._rebuild()
+    def _insert(self, key: int, nodeid: int) -> bool:
+        if self._live + 1 > self.buckets * 3 // 4:
+            return False  # never, with at most half as many names as buckets (create)
         bucket, mask = self.bucket, self.buckets - 1
         i = key & mask
-        while bucket[2 * i] and bucket[2 * i + 1]:  # taken: probe on (a tombstone is reused)
+        while bucket[2 * i]:
             i = (i + 1) & mask
-        if not bucket[2 * i]:
-            self._used += 1
-        bucket[2 * i + 1] = 0
-        bucket[2 * i] = key  # the key before the node id: a reader never pairs a key with another's id
         bucket[2 * i + 1] = nodeid
-
-    def _rebuild(self) -> None:
-        """Drop the tombstones: the live buckets are written again into cleared ones.
-        Lookups meanwhile may miss, and go to the main process."""
-        live = [(self.bucket[2 * i], self.bucket[2 * i + 1]) for i in range(self.buckets)
-                if self.bucket[2 * i] and self.bucket[2 * i + 1]]
-        for i in range(2 * self.buckets):
-            self.bucket[i] = 0
-        self._used = 0
-        for key, nodeid in live:
-            self._insert(key, nodeid)
+        bucket[2 * i] = key  # the key last: a reader never pairs it with another's node id
+        self._live += 1
+        return True
 
     def take_lookups(self, nodeid: int) -> int:
         """The serving processes' lookup counts of `nodeid`, summed and zeroed (after
@@ -347,7 +359,7 @@ class Server:
         self.main_pid: int | None = None  # whose stop holds the reading (see main_stopped)
         self._stat_fd = -1
 
-    # Long (117 lines) for a reason: the hot loop, one function so that its names stay local
+    # Long (124 lines) for a reason: the hot loop, one function so that its names stay local
     def run(self) -> int:
         """Serve until the connection is gone (0), or fail (1)."""
         fd, buf = self.fd, self.buf
@@ -424,7 +436,13 @@ class Server:
                 lookups[nodeid] -= u64(buf, 40)[0]
                 kind = _FORGET
             elif opcode == p.BATCH_FORGET and length == n:
-                kind = self.batch_forget(view, n)
+                kind, rest = self.batch_forget(view, n)
+                if rest:  # the forgets of nodes not published, forwarded as a batch of their own
+                    busy[step] += 1  # idle while forwarding, as below
+                    busy[step + FORWARDED] += 1
+                    self.forward.sendmsg([self.prefix, rest])
+                    stats[2 * _FORWARDED] += 1
+                    busy[step] += 1
             elif opcode == p.GETATTR and length == n:
                 known = named(nodeid, now_ns())
                 if known is not None:  # attr_out: the entry's attribute timeout and attributes
@@ -464,10 +482,10 @@ class Server:
             if self.answered >= REPORT_EVERY:
                 self.report()
 
-    def batch_forget(self, view: memoryview, n: int) -> int:
+    def batch_forget(self, view: memoryview, n: int) -> tuple[int, bytes]:
         """A BATCH_FORGET: the forgets of published nodes taken here (their lookups were
-        counted in the table), the rest forwarded as a batch of their own. The kind to
-        count, or -1 when nothing was taken (the whole request is forwarded)."""
+        counted in the table), and the rest as a batch of their own to forward. The kind
+        to count (-1 when nothing was taken: the whole request is forwarded as it is)."""
         start = p.IN_HEADER.size + p.BATCH_FORGET_IN.size
         count = min(p.BATCH_FORGET_IN.unpack_from(view, p.IN_HEADER.size)[0], (n - start) // p.FORGET_ONE.size)
         lookups, named = self.table.lookups(self.index), self.table.named
@@ -479,16 +497,13 @@ class Server:
             else:
                 rest.append(view[start + i * p.FORGET_ONE.size:start + (i + 1) * p.FORGET_ONE.size])
         if len(rest) == count:
-            return -1
-        if rest:
-            length = start + len(rest) * p.FORGET_ONE.size
-            head = bytearray(view[:start])
-            struct.pack_into("<I", head, 0, length)
-            p.BATCH_FORGET_IN.pack_into(head, p.IN_HEADER.size, len(rest), 0)
-            self.table.busy[self.index * (_LINE // 8) + FORWARDED] += 1
-            self.forward.sendmsg([self.prefix, head, b"".join(rest)])
-            self.stats[2 * _FORWARDED] += 1
-        return _BATCH_FORGET
+            return -1, b""
+        if not rest:
+            return _BATCH_FORGET, b""
+        head = bytearray(view[:start])
+        struct.pack_into("<I", head, 0, start + len(rest) * p.FORGET_ONE.size)
+        p.BATCH_FORGET_IN.pack_into(head, p.IN_HEADER.size, len(rest), 0)
+        return _BATCH_FORGET, bytes(head) + b"".join(rest)
 
     def main_stopped(self) -> bool:
         """Whether the main process is stopped (its state in /proc: T, or t under a

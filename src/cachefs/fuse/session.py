@@ -35,7 +35,17 @@ from cachefs.fuse.ops import (
     Operations,
     Request,
 )
-from cachefs.fuse.serve import ANSWERED, PENDING, REPORT, REPORTS, SEND_BUFFER, WAKE, ServeTable, child_env
+from cachefs.fuse.serve import (
+    ANSWERED,
+    PENDING,
+    PREFIX_SIZE,
+    REPORT,
+    REPORTS,
+    SEND_BUFFER,
+    WAKE,
+    ServeTable,
+    child_env,
+)
 
 log = logging.getLogger(__name__)
 
@@ -388,7 +398,7 @@ class Session(Handlers):
 
     def _loop(self, fd: int) -> None:
         self._local.serving = True
-        buf = bytearray(self._bufsize)
+        buf = bytearray(self._bufsize + PREFIX_SIZE)  # a request as big as the kernel makes, forwarded
         view = memoryview(buf)
         cond = self._cond
         stopped = self._stopped
