@@ -49,3 +49,10 @@ def test_backing_files_kept_grow_with_the_machine_within_a_share_of_its_memory()
     assert backing_limit(big) * BACKING_BYTES <= big // BACKING_RAM_SHARE
     assert backing_limit(big) > 1_281_167 * 4                            # ImageNet-1k, all kept
     assert backing_limit() >= BACKING_CACHE_MIN                          # this machine's
+
+
+def test_serving_processes_only_where_stores_reach_other_cores_in_order():
+    from cachefs.config import stores_ordered
+
+    assert stores_ordered("x86_64") and stores_ordered("AMD64")
+    assert not stores_ordered("aarch64") and not stores_ordered("ppc64le")

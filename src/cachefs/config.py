@@ -10,6 +10,7 @@ The options of `cachefs mount` are declared in cachefs/options.py."""
 from __future__ import annotations
 
 import os
+import platform
 import re
 from dataclasses import dataclass, field
 
@@ -49,9 +50,18 @@ def default_fetch_processes() -> int:
 ROTATIONAL_PREFETCH_WORKERS = 8
 
 
+def stores_ordered(machine: str | None = None) -> bool:
+    """Whether this CPU makes one core's memory stores visible to the others in program
+    order (x86-64), which the serving processes' shared table relies on: Python has no
+    memory fences (docs/design.md, "Serving processes")."""
+    return (machine or platform.machine()).lower() in ("x86_64", "amd64", "i386", "i686")
+
+
 def default_serve_processes() -> int:
-    """Serving processes for passthrough opens and releases (cachefs/fuse/serve.py): one per
-    two cores, at least one, at most eight (docs/design.md: sizing)."""
+    """Serving processes for passthrough (cachefs/fuse/serve.py): one per two cores, at
+    least one, at most eight (docs/design.md: sizing); none where stores_ordered() is not so."""
+    if not stores_ordered():
+        return 0
     return max(1, min(8, (os.cpu_count() or 1) // 2))
 
 

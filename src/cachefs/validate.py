@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import shutil
 import stat
 import tempfile
@@ -26,6 +27,7 @@ from cachefs.config import (
     default_fetch_processes,
     default_serve_processes,
     format_size,
+    stores_ordered,
 )
 from cachefs.errors import CachefsError
 from cachefs.mounttable import FSTYPE, _inside, find_mount, fusermount_available, kernel_unmount, probe
@@ -216,6 +218,10 @@ def _check_numbers(config: Config, src: str) -> None:
         config.serve_processes = default_serve_processes()
     if not 0 <= config.serve_processes <= 64:
         raise CachefsError(f"--serve-processes {config.serve_processes} must be between 0 and 64")
+    if config.serve_processes and not stores_ordered():
+        raise CachefsError(f"--serve-processes needs an x86-64 CPU (this is {platform.machine()}: its memory "
+                           "stores may reach other cores out of order, which the serving processes' shared "
+                           "table cannot guard against); use --serve-processes 0")
     if config.warm and config.prefetch_workers == 0:
         raise CachefsError("--warm needs --prefetch-workers of at least 1")
 
