@@ -385,13 +385,15 @@ class Server:
             except OSError:  # interrupted (ENOENT), or unmounted: the next read says which
                 return False
 
-        poller = select.poll()
-        poller.register(fd, select.POLLIN)
+        # EPOLLEXCLUSIVE: a request wakes one waiting serving process, not all of them (with
+        # poll() every process woke for each request, and all but one found nothing)
+        poller = select.epoll()
+        poller.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
         os.set_blocking(fd, False)  # this process's own descriptor (a clone): reads never wait
         checked, stopped = -1.0, False
         ready = False  # the last read found a request: the next is read without a poll first
         while True:
-            if not ready and not poller.poll(REPORT_AFTER * 1000 if self.answered else None):
+            if not ready and not poller.poll(REPORT_AFTER if self.answered else -1):
                 self.report()  # idle: what is pending goes now, so stats are never stale
                 continue
             now = time.monotonic()
