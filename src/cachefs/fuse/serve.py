@@ -1,7 +1,8 @@
 """Serving processes: requests for files the kernel reads itself, answered on every core.
 
 In passthrough mode the kernel reads a cached file itself, and what is left for the file
-system is an OPEN, an IOCTL (Python's `isatty()`) and a RELEASE per open. One Python
+system is a LOOKUP (and a FORGET) per file per dentry lifetime, and an OPEN, an IOCTL
+(Python's `isatty()`) and a RELEASE per open. One Python
 process answers them one at a time, whatever the number of cores. So the session can start
 serving processes (`python -m cachefs.fuse.serve`), each reading its own cloned `/dev/fuse`
 descriptor of the same connection (the kernel hands each request to whichever reader
@@ -12,23 +13,28 @@ waits). A serving process answers from shared memory (`ServeTable`):
     passthrough reply with that id, counted as one open of the node in the process's own
     column of the table;
   - RELEASE of such an open (its handle carries OWN_FH): one open less in that column;
+  - LOOKUP of a name the main process published (in the directory's node, until its
+    deadline): the entry it published, counted as one lookup of the node in the process's
+    own column; GETATTR of that node: its attributes; FORGET of it (and those entries of
+    a BATCH_FORGET, the rest forwarded as a batch of their own): lookups less;
 
 and forwards everything else, unchanged, to the main process over one datagram socket
 (the message prefixed with the process's index). A request the kernel has handed to a
 file system can no longer be interrupted, even by SIGKILL, until it is answered; so a
 serving process reads nothing while the main process is stopped (SIGSTOP, a debugger),
 and stops reading while MAX_FORWARDED of its requests wait for the main process: a hung
-main process then holds a bounded number of callers, and the rest stay killable. The main process answers a forwarded
-request on the serving process's descriptor (it keeps a copy): the kernel takes a reply
+main process then holds a bounded number of callers, and the rest stay killable. The
+main process answers a forwarded request on the serving process's descriptor (it keeps a copy): the kernel takes a reply
 only on the descriptor its request was read from. Every `REPORT_EVERY` requests (or
 `REPORT_AFTER` seconds idle) a process reports what it answered: counts per operation and
 the node ids it opened, which the main process counts as the tiers' hits.
 
 The table, one shared memory file (memfd), holds per node a backing id (0: ask the main
-process) and, per serving process, a busy counter and a count of open handles per node
-(releases may come to any process, so a column may go negative; the sum is what counts).
-The main process unpublishes a node (forgotten by the kernel, or its entry dropped by a
-tier) by clearing its slot, then waits until every serving process has been idle or
+process) and a record (its published name and entry, under a sequence counter), the
+names' hash buckets, and per serving process a busy counter and a count of open handles
+and of lookups per node (a release or a forget may come to any process, so a column may
+go negative; the sum is what counts). The main process unpublishes a node or a name by
+clearing its slot or record, then waits until every serving process has been idle or
 finished a request since (`quiesce`), then folds the columns' counts into its own.
 """
 
