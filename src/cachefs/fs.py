@@ -263,17 +263,22 @@ class CachefsFS(Published, Operations):
         an invalidation from inside a request about the same directory can deadlock on its
         locks."""
         while True:
-            path = self._changed.get()
-            if not path:
-                return
-            self._unname(path)  # before the kernel drops the name: its next lookup comes here,
+            paths = [self._changed.get()]
+            while not self._changed.empty():  # many changed at once: one wait for all of them
+                paths.append(self._changed.get())
+            for path in paths:
+                if path:
+                    self._unname(path)  # before the kernel drops the name: its next lookup comes here,
             if self._table is not None and self.session is not None:  # and no answer from before is on its way
                 self._table.quiesce(self.session.servers_alive)
-            directory, _, name = path.rpartition("/")
-            parent = self.nodes.id_of(directory or "/")
-            if parent is not None and self.session is not None:
-                self.session.notify_inval_entry(parent, os.fsencode(name))
-            log.info("%s changed on the source; opens from now on get the new version", path)
+            for path in paths:
+                if not path:
+                    return
+                directory, _, name = path.rpartition("/")
+                parent = self.nodes.id_of(directory or "/")
+                if parent is not None and self.session is not None:
+                    self.session.notify_inval_entry(parent, os.fsencode(name))
+                log.info("%s changed on the source; opens from now on get the new version", path)
 
     def _fid(self, nodeid: int, path: str) -> FileId:
         """The file version a node stands for (Nodes), or the source's current one."""
