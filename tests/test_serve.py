@@ -172,6 +172,8 @@ def test_published_names_are_found_by_parent_and_name_until_their_deadline(table
     assert table.entry(2, b"a.jpg", now) == (6, entry_for(6, 20))
     assert table.entry(3, b"a.jpg", now) is None and table.entry(1, b"b.jpg", now) is None
     assert table.entry(1, b"a.jpg", far + 1) is None  # due for a check: the main process answers
+    assert table.find(1, b"a.jpg") == 5 and table.find(3, b"a.jpg") is None  # whatever the deadline
+    assert table.has_name(5) and not table.has_name(7)
     assert table.named(5) == entry_for(5, 10)
     table.unpublish_name(5)
     assert table.entry(1, b"a.jpg", now) is None and table.named(5) is None

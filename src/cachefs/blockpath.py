@@ -355,12 +355,12 @@ class BlockPath:
             keys = ("ram.hits", "ram.served_bytes") if tier == "ram" else ("disk.hits", "disk.served_bytes")
             add[keys[0]] = add.get(keys[0], 0) + n
             add[keys[1]] = add.get(keys[1], 0) + fid.size
-            if tier == "disk":
+            if tier != "ram":
                 add["ram.misses"] = add.get("ram.misses", 0) + n
             if self._guesses or self._observers:
                 for index in range(n):
                     self._heard((eid, index))
-            in_ram.append(tier == "ram" or self._cache.in_ram(eid))
+            in_ram.append(tier != "disk")
         self._stats.add_many(add)
         return in_ram
 

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from cachefs.blocks import ENTRY_ID_SIZE
 from cachefs.fuse import protocol as p
 from cachefs.fuse.ops import FuseError
 from cachefs.fuse.session import Session
@@ -145,7 +146,22 @@ class Backings:
     def key(backing: Backing) -> bytes:
         """Which copy a backing id stands for: an entry may be registered once per tier (a
         file promoted to RAM is registered anew, so that the kernel reads the RAM copy)."""
-        return backing.eid + b"r" if backing.in_ram else backing.eid  # an entry id is ENTRY_ID_SIZE bytes
+        return Backings.ram_key(backing.eid) if backing.in_ram else backing.eid
+
+    @staticmethod
+    def ram_key(eid: bytes) -> bytes:
+        """The key of the entry's RAM copy (see key)."""
+        return eid + b"r"
+
+    @staticmethod
+    def keys(eid: bytes) -> tuple[bytes, bytes]:
+        """The keys an entry's copies may be registered under: NVMe's, RAM's."""
+        return eid, Backings.ram_key(eid)
+
+    @staticmethod
+    def in_ram(key: bytes) -> bool:
+        """Whether `key` stands for a RAM copy (an entry id is ENTRY_ID_SIZE bytes)."""
+        return len(key) > ENTRY_ID_SIZE
 
     def get(self, backing: Backing) -> int:
         """A backing id for the cached file, counted as one more open. OSError if the
@@ -212,7 +228,7 @@ class Backings:
     def dropped(self, eid: bytes) -> None:
         """A tier dropped the entry: close its ids now, or at their last close. (Which tier
         is not said: a copy still kept in the other is registered again when opened.)"""
-        for key in (eid, eid + b"r"):
+        for key in self.keys(eid):
             self._dropped(key)
 
     def _dropped(self, eid: bytes) -> None:

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cachefs.blocks import ENTRY_ID_SIZE
 from cachefs.fuse.serve import NAME_MAX, ServeTable, decode_report
 from cachefs.identity import Attr, FileId
 from cachefs.nodes import Backings, NodeOpen, Nodes, version_of
@@ -57,9 +56,9 @@ class Published:
         (off the serving path), a RAM copy not registered yet is registered first."""
         assert self._backings is not None and self._table is not None
         eid = self.core.entry_id(fid)
-        backing_id = self._backings.hold(eid + b"r")
+        backing_id = self._backings.hold(Backings.ram_key(eid))
         if backing_id:
-            eid += b"r"
+            eid = Backings.ram_key(eid)
         elif self.core.cache.in_ram(eid):
             if not register:
                 return  # promoted since: the open registers the RAM copy
@@ -74,7 +73,7 @@ class Published:
                 return
             finally:
                 backing.release()
-            eid += b"r"
+            eid = Backings.key(backing)
         else:
             backing_id = self._backings.hold(eid)
             if not backing_id:
@@ -110,9 +109,9 @@ class Published:
         with self._names_lock:
             if self.nodes.id_of(path) != nodeid:
                 return  # another lookup gave the path another version's node since
-            found = table.entry(parent, name, -1 << 62)
-            if found is not None and found[0] != nodeid:
-                self._take_name(found[0])  # the name's older version
+            older = table.find(parent, name)
+            if older is not None and older != nodeid:
+                self._take_name(older)  # the name's older version
             # Read under the lock, which _unname takes after the metadata forgot a change:
             # a name is never published with attributes the daemon has let go of.
             known = self.core.attr_expiry(path)
@@ -160,9 +159,9 @@ class Published:
             nodeid = self.nodes.id_of(path)
             if nodeid is not None:
                 self._take_name(nodeid)
-            found = None if parent is None else self._table.entry(parent, os.fsencode(name), -1 << 62)
+            found = None if parent is None else self._table.find(parent, os.fsencode(name))
             if found is not None:
-                self._take_name(found[0])
+                self._take_name(found)
 
     def _name_taken(self, table: ServeTable, nodeid: int, parent: int) -> None:
         """After quiesce: the name's node and its directory unpinned, the lookups the
@@ -188,7 +187,7 @@ class Published:
         serving processes (by the reaper: a tier's lock may be held here, and the node's
         lock is taken before the tiers' everywhere else), and its backing id closed at its
         last close. Until then the kernel reads the dropped copy, the same bytes."""
-        for key in (eid, eid + b"r"):  # see Backings.key
+        for key in Backings.keys(eid):
             if key in self._published:
                 self._unpublished.put(("copy", key))
         if self._backings is not None:
@@ -293,7 +292,7 @@ class Published:
             log.warning("counting %d opens the serving processes answered failed: %s", len(fids), exc)
             return
         for state, now_in_ram in zip(states, in_ram, strict=True):
-            if state is not None and state.published and now_in_ram and len(state.eid) == ENTRY_ID_SIZE:
+            if state is not None and state.published and now_in_ram and not Backings.in_ram(state.eid):
                 # RAM took the file: the node is taken back, and once its opens have closed,
                 # published again with the RAM copy (one backing per inode while open)
                 self._unpublished.put(("copy", state.eid))

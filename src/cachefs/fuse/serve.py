@@ -24,8 +24,8 @@ file system can no longer be interrupted, even by SIGKILL, until it is answered;
 serving process reads nothing while the main process is stopped (SIGSTOP, a debugger),
 and stops reading while MAX_FORWARDED of its requests wait for the main process: a hung
 main process then holds a bounded number of callers, and the rest stay killable. The
-main process answers a forwarded request on the serving process's descriptor (it keeps a copy): the kernel takes a reply
-only on the descriptor its request was read from. Every `REPORT_EVERY` requests (or
+main process answers a forwarded request on the serving process's descriptor (it keeps a
+copy): the kernel takes a reply only on the descriptor its request was read from. Every `REPORT_EVERY` requests (or
 `REPORT_AFTER` seconds idle) a process reports what it answered: counts per operation and
 the node ids it opened, which the main process counts as the tiers' hits.
 
@@ -176,6 +176,19 @@ class ServeTable:
                             return nodeid, entry
                         return None
             i = (i + 1) & mask
+
+    def find(self, parent: int, name: bytes) -> int | None:
+        """The node published for `name` in directory `parent`, whatever its deadline."""
+        found = self.entry(parent, name, -1 << 62)
+        return None if found is None else found[0]
+
+    def has_name(self, nodeid: int) -> bool:
+        """Whether the node's name is published (its lookups and forgets are counted in
+        the table): a record not being written, with a name."""
+        if not 0 < nodeid < self.capacity:
+            return False
+        seq, _, _, namelen, _ = _RECORD_HEAD.unpack_from(self.records, nodeid * RECORD)
+        return not seq & 1 and namelen > 0
 
     def named(self, nodeid: int, now_ns: int = 0) -> bytes | None:
         """The entry_out of a node whose name is published (valid at `now_ns` if given),
@@ -365,7 +378,7 @@ class Server:
         self.main_pid: int | None = None  # whose stop holds the reading (see main_stopped)
         self._stat_fd = -1
 
-    # Long (124 lines) for a reason: the hot loop, one function so that its names stay local
+    # Long (126 lines) for a reason: the hot loop, one function so that its names stay local
     def run(self) -> int:
         """Serve until the connection is gone (0), or fail (1)."""
         fd, buf = self.fd, self.buf
@@ -373,7 +386,7 @@ class Server:
         table = self.table
         busy, step = table.busy, self.index * (_LINE // 8)
         slots, counts, capacity = table.slots, table.counts(self.index), table.capacity
-        lookups, entry_of, named = table.lookups(self.index), table.entry, table.named
+        lookups, entry_of, named, has_name = table.lookups(self.index), table.entry, table.named, table.has_name
         header = p.IN_HEADER.unpack_from
         u64 = struct.Struct("<Q").unpack_from
         u32 = struct.Struct("<I").unpack_from
@@ -390,6 +403,13 @@ class Server:
                 return True
             except OSError:  # interrupted (ENOENT), or unmounted: the next read says which
                 return False
+
+        def forward(message: bytes | memoryview) -> None:
+            """To the main process, this process counting idle meanwhile: forwarding reads
+            no slot, and may wait for the daemon (the caller made busy even)."""
+            busy[step + FORWARDED] += 1
+            self.forward.sendmsg([self.prefix, message])
+            stats[2 * _FORWARDED] += 1
 
         # EPOLLEXCLUSIVE: a request wakes one waiting serving process, not all of them (with
         # poll() every process woke for each request, and all but one found nothing)
@@ -440,16 +460,14 @@ class Server:
                     if not reply(error_reply(16 + len(entry), 0, unique) + entry):
                         lookups[child] -= 1  # interrupted: the kernel did not count it
                     kind = _LOOKUP
-            elif opcode == p.FORGET and length == n >= 48 and named(nodeid) is not None:
+            elif opcode == p.FORGET and length == n >= 48 and has_name(nodeid):
                 lookups[nodeid] -= u64(buf, 40)[0]
                 kind = _FORGET
             elif opcode == p.BATCH_FORGET and length == n:
                 kind, rest = self.batch_forget(view, n)
                 if rest:  # the forgets of nodes not published, forwarded as a batch of their own
-                    busy[step] += 1  # idle while forwarding, as below
-                    busy[step + FORWARDED] += 1
-                    self.forward.sendmsg([self.prefix, rest])
-                    stats[2 * _FORWARDED] += 1
+                    busy[step] += 1  # idle while forwarding
+                    forward(rest)
                     busy[step] += 1
             elif opcode == p.GETATTR and length == n:
                 known = named(nodeid, now_ns())
@@ -477,10 +495,8 @@ class Server:
                 reply(error_reply(16, -errno.EROFS, unique))
                 kind = _OTHER
             if kind < 0:
-                busy[step] += 1  # idle again: forwarding reads no slot, and may wait for the daemon
-                busy[step + FORWARDED] += 1
-                self.forward.sendmsg([self.prefix, view[:n]])
-                stats[2 * _FORWARDED] += 1
+                busy[step] += 1  # idle again
+                forward(view[:n])
                 continue
             busy[step] += 1  # even: idle
             stats[2 * kind] += 1
@@ -496,11 +512,11 @@ class Server:
         to count (-1 when nothing was taken: the whole request is forwarded as it is)."""
         start = p.IN_HEADER.size + p.BATCH_FORGET_IN.size
         count = min(p.BATCH_FORGET_IN.unpack_from(view, p.IN_HEADER.size)[0], (n - start) // p.FORGET_ONE.size)
-        lookups, named = self.table.lookups(self.index), self.table.named
+        lookups, has_name = self.table.lookups(self.index), self.table.has_name
         rest = []
         for i in range(count):
             nodeid, nlookup = p.FORGET_ONE.unpack_from(view, start + i * p.FORGET_ONE.size)
-            if named(nodeid) is not None:
+            if has_name(nodeid):
                 lookups[nodeid] -= nlookup
             else:
                 rest.append(view[start + i * p.FORGET_ONE.size:start + (i + 1) * p.FORGET_ONE.size])

@@ -305,15 +305,16 @@ class MultiLevelCache:
         """An open a serving process passed through: the copy's blocks count as hits of the
         tier it stands in ("ram" or "disk"; None if no tier has it whole), and with
         `promote` a copy on NVMe is then copied into RAM when RAM has free room for it, as
-        open_backing would. Nothing is held: the serving process's backing id holds it."""
+        open_backing would ("promoted": an NVMe hit, in RAM from now on). Nothing is held:
+        the serving process's backing id holds it."""
         if self.ram.hit_whole(eid):
             return "ram"
         if self.disk is None or not self.disk.hit_whole(eid):
             return None
         if promote and self.ram.policy.has_room(size):
             found = self._backing(eid)
-            if found is not None and not found.in_ram:
-                self._promote(eid, found)
+            if found is not None and not found.in_ram and self._promote(eid, found):
+                return "promoted"
         return "disk"
 
     def in_ram(self, eid: bytes) -> bool:

@@ -526,8 +526,7 @@ class FileStore:
             e = self._entries.get(eid)
             if e is None or not e.complete or not self._usable():
                 return False
-            for i in range(len(e.hashes)):
-                self.policy.hit((eid, i))
+            self._hit_blocks(eid, e)
             return True
 
     def needs_check(self, eid: bytes) -> bool:
@@ -536,9 +535,12 @@ class FileStore:
 
     def _acquired(self, eid: bytes, e: Entry) -> str:
         e.users += 1
+        self._hit_blocks(eid, e)
+        return self.file_of(e.name)
+
+    def _hit_blocks(self, eid: bytes, e: Entry) -> None:
         for i in range(len(e.hashes)):
             self.policy.hit((eid, i))
-        return self.file_of(e.name)
 
     def acquire(self, eid: bytes) -> bool:
         """The kernel opened the entry's file for passthrough: it is not punched until released."""
