@@ -13,7 +13,8 @@ SRC = ROOT / "src" / "cachefs"
 LAYERS = [
     ("foundation", {"errors", "identity", "config", "stats", "directio", "acl", "blocks", "policy", "readahead",
                     "hooks", "__init__"}),
-    ("fuse protocol", {"fuse", "fuse.kernel", "fuse.protocol", "fuse.ops", "fuse.session", "fuse.serve"}),
+    ("fuse protocol", {"fuse", "fuse.kernel", "fuse.protocol", "fuse.ops", "fuse.session", "fuse.serve",
+                       "fuse.children"}),
     ("job side", {"hintclient", "mounttable", "torch", "pipeline", "diagnose"}),
     ("tiers and sources", {"tiers", "tiers.layout", "tiers.index", "tiers.store", "tiers.memory", "tiers.disk",
                            "tiers.checks", "tiers.shared", "tiers.multilevel", "tiers.build", "source", "memsource"}),

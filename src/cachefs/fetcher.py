@@ -51,7 +51,7 @@ from typing import Any, NamedTuple
 from cachefs.blocks import entry_id
 from cachefs.config import BATCH_THREADS
 from cachefs.errors import SourceChanged
-from cachefs.fuse.serve import child_env, die_with_parent
+from cachefs.fuse.children import child_env, die_with_parent
 from cachefs.identity import Attr, FileId
 from cachefs.source import open_source
 from cachefs.stats import Stats

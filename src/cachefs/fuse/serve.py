@@ -41,12 +41,10 @@ finished a request since (`quiesce`), then folds the columns' counts into its ow
 from __future__ import annotations
 
 import argparse
-import ctypes
 import errno
 import mmap
 import os
 import select
-import signal
 import socket
 import struct
 import sys
@@ -56,6 +54,7 @@ from array import array
 import xxhash
 
 from cachefs.fuse import protocol as p
+from cachefs.fuse.children import die_with_parent
 
 OWN_FH = 1 << 63          # the handle of an open of a published node: its release may be answered anywhere
 REPORT = 1 << 31          # in a forwarded message's index: a serving process's report, not a request
@@ -63,7 +62,6 @@ WAKE = 0xFFFFFFFF         # a forwarded message's index: the main process waking
 REPORT_EVERY = 512        # requests answered between reports
 REPORT_AFTER = 0.05       # seconds idle before a report of what is pending
 SEND_BUFFER = 4 << 20     # the forward socket's buffer (the kernel caps it at net.core.wmem_max)
-PR_SET_PDEATHSIG = 1
 
 _MAGIC = b"cfsserv2"
 _HEADER = struct.Struct("<8sQIQ")         # magic, capacity, processes, buckets
@@ -559,26 +557,6 @@ class Server:
         else:
             self.table.busy[line + REPORTS] += 1
         self.table.busy[line + PENDING] = 0
-
-
-def child_env() -> dict[str, str]:
-    """The environment of a child process that imports this package as its parent does,
-    wherever it is installed (a serving process; the fetch processes)."""
-    env = dict(os.environ)
-    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
-
-
-def die_with_parent() -> None:
-    """In a child process: ignore the terminal's Ctrl-C (it is for the daemon), and die
-    with the parent (PR_SET_PDEATHSIG). The caller then checks that the parent is still
-    the one it was started by."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
 
 
 def main(argv: list[str] | None = None) -> int:

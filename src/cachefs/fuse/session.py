@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from cachefs.fuse import protocol as p
+from cachefs.fuse.children import child_env
 from cachefs.fuse.ops import (
     Buffer,
     Connection,
@@ -44,7 +45,6 @@ from cachefs.fuse.serve import (
     SEND_BUFFER,
     WAKE,
     ServeTable,
-    child_env,
 )
 
 log = logging.getLogger(__name__)
