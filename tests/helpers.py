@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from cachefs.core import Core
@@ -18,7 +19,7 @@ from cachefs.tiers.multilevel import MultiLevelCache
 from tools.mounts import ROOT, cachefs_cli, cachefs_stats, is_mounted, mount_cachefs, mount_slowfs, unmount
 
 __all__ = ["ROOT", "SYSTEM_PYTHON", "FakeClock", "Mounts", "as_user", "cli", "is_mounted", "make_core",
-           "portable_python", "stats"]
+           "portable_python", "stats", "wait_listed"]
 
 cli = cachefs_cli
 stats = cachefs_stats
@@ -47,6 +48,14 @@ def run_until_idle(prefetcher, limit: int = 1_000_000) -> int:
     while n < limit and prefetcher.step():
         n += 1
     return n
+
+
+def wait_listed(core, timeout: float = 10.0) -> None:
+    """Wait until no listing is in flight ahead of a walk (cachefs/listahead.py)."""
+    deadline = time.monotonic() + timeout
+    while core.metadata._ahead.in_flight():
+        assert time.monotonic() < deadline, "listings ahead never finished"
+        time.sleep(0.005)
 
 
 def make_core(source, *, ram=64 << 20, disk=None, shared=None, block_size=64 << 10, clock=None, stats=None, **kw):

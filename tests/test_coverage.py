@@ -30,7 +30,11 @@ def tree():
 def test_nothing_read_nothing_cached():
     core = make_core(tree(), block_size=BS)
     r = coverage(core, "/train")
-    assert (r["files"], r["bytes"]) == (4, 1000 + 2 * BS + 10 + 500)
+    # listings bring no sizes: files never looked up count without their bytes...
+    assert (r["files"], r["bytes"], r["unknown_size"]) == (4, 0, 4)
+    assert r["ram"] == r["disk"] == r["cached"] == {"files": 0, "bytes": 0}
+    r = coverage(core, "/train", exact=True)  # ...unless stat'ed
+    assert (r["files"], r["bytes"], r["unknown_size"]) == (4, 1000 + 2 * BS + 10 + 500, 0)
     # the empty file needs nothing from the source: it counts as cached everywhere
     assert r["ram"] == r["disk"] == r["cached"] == {"files": 1, "bytes": 0}
     assert r["errors"] == 0
@@ -42,7 +46,7 @@ def test_counts_whole_files_and_partial_bytes_per_tier():
     core.read("/train/a/1.jpg", 0, 1000)
     core.read("/train/a/2.jpg", BS, 10)                        # only the middle block
     reads_before = core.stats.get("source.read_range")
-    r = coverage(core, "/train")
+    r = coverage(core, "/train", exact=True)                   # the empty file's size known too
     assert r["ram"] == {"files": 2, "bytes": 1000 + BS}        # 1.jpg, and the empty file
     assert r["cached"] == r["ram"]
     assert r["disk"] == {"files": 1, "bytes": 0}               # only the empty file is "whole" on a missing tier
@@ -59,7 +63,7 @@ def test_disk_tier_and_either_tier(tmp_path):
         for path, size in (("/train/a/2.jpg", 2 * BS + 10), ("/train/b/3.jpg", 500)):
             core.read(path, 0, size)
         disk.flush()
-        r = coverage(core, "/train/b")
+        r = coverage(core, "/train/b", exact=True)
         assert r["disk"] == {"files": 2, "bytes": 500}          # 3.jpg and the empty file
         assert r["cached"] == {"files": 2, "bytes": 500}
         whole = coverage(core, "/train")

@@ -97,26 +97,13 @@ SOURCE_THREADS = 64
 SOURCE_RETRY = 5.0
 SOURCE_DOWN_AFTER = 3
 
-# A listing brings each entry's attributes (one fstatat beside it, as NFS's READDIRPLUS)
-# only while that is cheap: a local disk stats an entry in 6-10 us (a few at 250-350 us
-# after the page cache was dropped), so a listing of 100,000 stays whole and `ls -l` needs
-# no request per file; a network store whose client keeps no attributes pays a round
-# trip each (2 ms: a walk of 2,000 files took 58x as long as reading the store directly),
-# a spinning disk a seek. Once the stats of a listing have taken LISTING_STAT_BUDGET
-# seconds and more than LISTING_CHEAP_STAT each on average, the rest come without
-# attributes (looked up on demand, as reading the store directly would), and the
-# listings of that source bring none, but for one stat every LISTING_PROBE_EVERY seconds:
-# one faster than LISTING_SLOW_STAT means stats are cheap again. The subdirectories a
-# listing names without attributes are stat'ed ahead in the background (a walk looks them
-# up next), at most LISTING_DIR_STATS waiting, LISTING_STAT_WORKERS at a time. After a
-# restart, the one listing that checks a directory against the index stats every entry
-# whatever it costs (see Core.readdir).
-LISTING_STAT_BUDGET = 0.002
-LISTING_CHEAP_STAT = 200e-6
-LISTING_SLOW_STAT = 0.001
-LISTING_PROBE_EVERY = 1.0
+# Listings bring names and types, no attributes (see Metadata._list). Once a reader lists
+# a directory, the directories a walk lists next (its subdirectories, in name order, up to
+# LIST_AHEAD beyond the last one a reader listed) are stat'ed and listed ahead,
+# LISTING_STAT_WORKERS at a time (see cachefs/listahead.py). The same workers fetch the
+# attributes `cachefs stats --coverage --exact` needs.
 LISTING_STAT_WORKERS = 16
-LISTING_DIR_STATS = 256
+LIST_AHEAD = 32
 
 # RAM tier (bytes): a quarter of physical memory, at most 4 GiB, unless --ram-size says.
 DEFAULT_RAM_FRACTION = 0.25

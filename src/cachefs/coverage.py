@@ -4,10 +4,11 @@ The answer to "is my dataset warm yet". It walks the subtree depth first in sort
 through the core's metadata cache (so a tree listed once costs the source nothing again,
 and one never listed a request per directory) and looks every block of every regular file
 up in each tier's index: no block is read, nothing is fetched, and no access is counted by
-a policy. A file's identity (size, mtime) comes from what the daemon knows: its listing,
-its last lookup, or the NVMe tier's index. A file known to none of them was never cached
-(or only in RAM, longer ago than --metadata-ttl): it counts as uncached, and its bytes are
-unknown ("unknown_size") unless `exact` has such files stat'ed on the source, in parallel.
+a policy. A file's identity (size, mtime) comes from what the daemon knows: its last
+lookup, or the NVMe tier's index (listings bring names only). A file known to neither
+was never cached (or only in RAM, longer ago than --metadata-ttl): it counts as uncached,
+and its bytes are unknown ("unknown_size") unless `exact` has such files stat'ed on the
+source, in parallel.
 
 A file counts as cached in a tier when all its blocks are there; "cached" (any tier)
 when each block is in RAM or on NVMe. The kernel's page cache is a further tier that

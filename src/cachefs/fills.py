@@ -10,6 +10,7 @@ The daemon keeps every decision: single flight, admission, the index, the stats.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
@@ -106,17 +107,17 @@ class SmallFills:
         Returns (outcome, bytes fetched) as BlockPath.prefetch_file does, or None if it is
         not a regular file of one block (prefetch_file's business)."""
         hit = self._meta.cached(path)
-        if hit is None and self._cache.shares:
-            # the shared tier is asked by identity: a stat first (a request the store
-            # answers from its metadata), then maybe no read at all
+        if hit is None:
+            # Its identity first: a stat (listings bring none), which the job's own lookup
+            # of the file then finds cached. The fill claims the file's key with it, so
+            # that an open of the file meanwhile waits for this fetch instead of fetching
+            # it again, and the shared tier is asked by identity (maybe no read at all).
             try:
                 hit = self._meta.getattr(path)
             except OSError:
                 return "error", 0
-        if isinstance(hit, int):
-            return "error", 0
         if not isinstance(hit, Attr):
-            return self._fetch(path, None, None)
+            return "error", 0
         claim = self._claim(path, hit, reserve=False)
         if not isinstance(claim, Claim):
             return claim
@@ -171,12 +172,16 @@ class SmallFills:
         """fill() for several files of one directory at once, through one request to a fetch
         process (which asks the shared tier for all of them in one request per server): the
         daemon's cost per file is its bookkeeping, not a round trip each. Files whose
-        attributes are not known yet, or that are not one block, go one by one."""
+        identity could not be had, or that are not one block, go one by one."""
         fetchers = self.fetchers
         if not self._cache.has_disk or fetchers is None:
             return [self.fill(p) for p in paths]
         out: list[Outcome] = [None] * len(paths)
         batch: list[tuple[int, Claim]] = []
+        unknown = [path for path in paths if self._meta.cached(path) is None]
+        if unknown:  # identities first (see fill), stat'ed in parallel
+            with contextlib.suppress(OSError):  # those left unknown go one by one, and fail there
+                self._meta.attrs_of(unknown, fetch=True)
         for i, path in enumerate(paths):
             hit = self._meta.cached(path)
             claim = self._claim(path, hit, reserve=True) if isinstance(hit, Attr) else None

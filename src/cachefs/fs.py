@@ -25,6 +25,7 @@ import logging
 import os
 import queue
 import stat as stat_mod
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,7 +36,7 @@ from cachefs.core import Core
 from cachefs.directio import OUT_OF_DESCRIPTORS, descriptor_limit, trim_descriptors
 from cachefs.errors import QUIET, to_errno
 from cachefs.fuse import protocol as p
-from cachefs.fuse.ops import Connection, DirItem, Entry, FuseError, Opened, Operations, Request, StatFs
+from cachefs.fuse.ops import Connection, Entry, FuseError, Opened, Operations, Request, StatFs
 from cachefs.fuse.serve import OWN_FH, ServeTable
 from cachefs.fuse.session import Session
 from cachefs.identity import Attr, FileId
@@ -98,10 +99,18 @@ def _fuse_op(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
+
+
 class CachefsFS(Published, Operations):
     """The file system cachefs mounts: a read-only mirror of the source through the core."""
 
-    want_readdirplus = True
+    # READDIR, not READDIRPLUS: a walk needs names and types, and READDIRPLUS made every
+    # listing stat each entry on the source and the kernel make an inode of each. A walk
+    # of 200,000 files on a local disk took 2.9 s (1.6 s of the daemon's CPU) with it,
+    # 1.8 s without; `ls -l` looks each entry up instead (a serving process answers a
+    # published name).
+    want_readdirplus = False
 
     def __init__(self, core: Core, config: Config, info: dict | None = None):
         self.core = core
@@ -310,14 +319,6 @@ class CachefsFS(Published, Operations):
             self._publish_name(nodeid, parent, name, path, a, entry)
         return entry
 
-    @_fuse_op
-    def lookup_known(self, req: Request, parent: int, name: bytes) -> bytes | None:
-        path = self.nodes.child(parent, name)
-        a = self.core.known_attr(path)
-        if a is None:
-            return None
-        return self._entry(path, a, parent, name)
-
     def forget(self, nodeid: int, nlookup: int) -> None:
         if self.nodes.forget(nodeid, nlookup):
             self._forgotten(nodeid)
@@ -376,10 +377,13 @@ class CachefsFS(Published, Operations):
         return Opened(0, p.FOPEN_CACHE_DIR | p.FOPEN_KEEP_CACHE)
 
     @_fuse_op
-    def readdir(self, req: Request, nodeid: int, fh: int) -> list[DirItem]:
-        # d_type comes with each entry: os.scandir()/os.walk() never need a stat per entry
-        items = [DirItem(b".", stat_mod.S_IFDIR), DirItem(b"..", stat_mod.S_IFDIR)]
-        items += [DirItem(os.fsencode(e.name), e.type_mode, e.ino) for e in self.core.readdir(self.nodes.path(nodeid))]
+    def readdir(self, req: Request, nodeid: int, fh: int) -> list[tuple[bytes, int, int]]:
+        # d_type comes with each entry: os.scandir()/os.walk() never need a stat per entry.
+        # Plain tuples and str.encode (os.fsencode's): a third of what DirItem and
+        # os.fsencode cost per entry.
+        items = [(b".", stat_mod.S_IFDIR, 0), (b"..", stat_mod.S_IFDIR, 0)]
+        items += [(e.name.encode(_FS_ENCODING, _FS_ERRORS), e.type_mode, e.ino)
+                  for e in self.core.readdir(self.nodes.path(nodeid))]
         return items
 
     @_fuse_op

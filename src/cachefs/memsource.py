@@ -34,9 +34,6 @@ class MemorySource:
         self._open_gate = threading.Event()  # cleared: requests for hung paths block
         self._open_gate.set()
         self._hung: set[str] | None = None  # None while hung: every path
-        # A listing with attributes gives them for this many entries at most (None: all),
-        # as LocalSource does over a store where each stat is a round trip.
-        self.listing_attrs: int | None = None
         self.add_dir("/")
 
     # -- building the tree -------------------------------------------------------------
@@ -96,7 +93,7 @@ class MemorySource:
     def stat(self, path: str) -> Attr:
         return self._enter("stat", path)[0]
 
-    def listdir(self, path: str, attrs: bool = False, every: bool = False) -> list[DirEntry]:
+    def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
         attr, _ = self._enter("listdir", path)
         if not attr.is_dir:
             raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
@@ -104,8 +101,6 @@ class MemorySource:
         entries = [DirEntry(p[len(prefix):], stat_mod.S_IFMT(a.mode), a.ino, a if attrs else None)
                    for p, (a, _) in sorted(self._nodes.items())
                    if p.startswith(prefix) and p != "/" and "/" not in p[len(prefix):]]
-        if attrs and not every and self.listing_attrs is not None:
-            entries[self.listing_attrs:] = [e._replace(attr=None) for e in entries[self.listing_attrs:]]
         return entries
 
     def read_range(self, fid: FileId, offset: int, size: int) -> bytes:

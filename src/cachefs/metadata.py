@@ -3,9 +3,9 @@
 A bounded TTL cache (--metadata-ttl, --negative-ttl) of attributes, listings and extended
 attributes; answers from the NVMe tier's index after a restart (within the TTL of when
 each entry was last known good), each directory then checked once, in bulk, by its first
-listing; listings that bring attributes only while the source gives them cheaply
-(Source.listdir), subdirectories stat'ed ahead in parallel. Every source request goes
-through the source guard (cachefs/guard.py).
+listing; listings of names and types only, the directories a walk lists next listed
+ahead in parallel (cachefs/listahead.py). Every source request goes through the source
+guard (cachefs/guard.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from cachefs import acl
 from cachefs.config import (
     DEFAULT_METADATA_TTL,
     DEFAULT_NEGATIVE_TTL,
-    LISTING_DIR_STATS,
     LISTING_STAT_WORKERS,
     METADATA_MAX_ENTRIES,
 )
@@ -32,6 +31,7 @@ from cachefs.errors import SOURCE_DOWN
 from cachefs.guard import SourceGuard
 from cachefs.hooks import KernelHooks
 from cachefs.identity import Attr, DirEntry, EntryInfo, FileId
+from cachefs.listahead import ListAhead
 from cachefs.source import Source
 from cachefs.stats import Stats
 from cachefs.tiers.multilevel import MultiLevelCache
@@ -108,13 +108,11 @@ class Metadata:
         self._xattr_cache = _TTLCache(max_entries, clock)
         # --allow-other: modes are cut down to what POSIX ACLs grant (see _with_acl)
         self.check_acls = check_acls
-        self.readdir_attrs = True  # listings bring each entry's attributes (see readdir)
         # The attributes a listing did not bring, when a check needs them all (see readdir)
         # Not prefetch threads: their requests go through the source pool with the timeout,
         # and count as demand at the gate (a reader's listing may wait for them).
         self._stat_pool = ThreadPoolExecutor(LISTING_STAT_WORKERS, thread_name_prefix="cachefs-stat")
-        self._stat_lock = threading.Lock()
-        self._stats_waiting = 0  # subdirectories' stats queued (see _stat_soon)
+        self._ahead = ListAhead(self._stat_pool, self._list_ahead, lambda path: self._dirs.get(path) is not None)
         # After a restart, the NVMe tier knows the attributes each cached file was stored
         # under. Lookups are answered from them (within --metadata-ttl of when they were
         # last known good), and every directory is checked once, in bulk: its first listing
@@ -196,69 +194,44 @@ class Metadata:
 
     def readdir(self, path: str) -> list[DirEntry]:
         hit = self._dirs.get(path)
+        if hit is None and self._ahead.wait(path, self._hooks.blocking):  # being listed ahead
+            hit = self._dirs.get(path)
         if hit is not None:
             self.stats.incr("metadata.hits")
+            self._ahead.read(path)
             return hit  # type: ignore[return-value]
         self.stats.incr("metadata.misses")
-        check = self._index_answers and path not in self._checked_dirs
-        # With the attributes of every entry, as NFS's READDIRPLUS: the kernel looks up every
-        # entry of a listing it is given (readdirplus), and `ls -l` stats them all; one
-        # fstatat per entry beside the listing is cheaper than a resolved stat each later.
-        # A source that stats slowly gives few or none (see LocalSource.listdir): those
-        # entries are looked up on demand, as reading the store directly would, so a walk
-        # that needs no attributes (os.walk, ImageFolder) never waits for them. Fetching
-        # every file's ahead in parallel was measured and dropped: it made the walk itself
-        # slower (1.78x -> 2.04x direct, 5x the daemon's CPU) with 16 stat threads on 2
-        # cores, and a job's own requests would queue behind it.
-        attrs = check or self.readdir_attrs
-        try:
-            entries = self._guard.call("listdir", self.source.listdir, path, attrs, check)
-        except OSError as exc:
-            return self._stale(self._dirs, path, exc)  # type: ignore[return-value]
-        prefix = path.rstrip("/") + "/"
-        missing = [prefix + e.name for e in entries if e.attr is None] if attrs else []
-        if check and missing:  # the check compares every entry: fetched now, in parallel
-            try:
-                got = self._stat_all(missing)
-            except OSError:
-                check = False  # not now: a failed stat is no proof of a change (checked later)
-            else:
-                entries = [e if e.attr is not None or prefix + e.name not in got
-                           else e._replace(attr=got[prefix + e.name]) for e in entries]
-        if check:
-            self._check_dir(path, entries)
-        elif attrs:
-            for e in entries:
-                if e.attr is not None:
-                    self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
-            # The subdirectories' attributes, though, are fetched ahead, in parallel: a walk
-            # looks each of them up next (an ImageFolder's class folders), one round trip
-            # after another. Files are left to their own lookups.
-            subdirs = [prefix + e.name for e in entries if e.attr is None and e.type_mode == stat_mod.S_IFDIR]
-            if subdirs:
-                self._stat_soon(subdirs[:LISTING_DIR_STATS])
-        self._dirs.put(path, entries, self.metadata_ttl)
+        entries = self._list(path)
+        self._ahead.read(path)
         return entries
 
-    def _stat_soon(self, paths: list[str]) -> None:
-        """Fetch the attributes of listed entries in the background, unless as many are
-        waiting already (LISTING_DIR_STATS)."""
-        with self._stat_lock:
-            paths = paths[:max(0, LISTING_DIR_STATS - self._stats_waiting)]
-            self._stats_waiting += len(paths)
-        for path in paths:
-            try:
-                self._stat_pool.submit(self._stat_ahead, path)
-            except RuntimeError:  # closing
-                return
-
-    def _stat_ahead(self, path: str) -> None:
+    def _list(self, path: str) -> list[DirEntry]:
+        """A listing from the source, into the cache. Names and d_type only: a walk (os.walk,
+        ImageFolder) needs no attributes, and a stat per entry beside the listing (what
+        this did while the kernel was given READDIRPLUS) was half the daemon's CPU in a
+        walk of 200,000 files on a local disk, and a round trip each on a network store
+        whose client keeps no attributes. Each entry is looked up when someone needs it,
+        as reading the store directly would. The one exception is a directory's check after
+        a restart (see _check_dir): one request with every entry's attributes."""
+        check = self._index_answers and path not in self._checked_dirs
         try:
-            if self._attrs.get(path) is None:  # a lookup may have come first
-                self._stat_one(path)
-        finally:
-            with self._stat_lock:
-                self._stats_waiting -= 1
+            entries = self._guard.call("listdir", self.source.listdir, path, check)
+        except OSError as exc:
+            return self._stale(self._dirs, path, exc)  # type: ignore[return-value]
+        if check:
+            self._check_dir(path, entries)
+        self._dirs.put(path, entries, self.metadata_ttl)
+        prefix = path.rstrip("/") + "/"
+        self._ahead.listed(path, [prefix + e.name for e in entries if e.type_mode == stat_mod.S_IFDIR])
+        return entries
+
+    def _list_ahead(self, path: str) -> None:
+        """A directory a walk lists next (ListAhead): its attributes (the walk looks it up
+        first) and its listing."""
+        if self._attrs.get(path) is None:
+            self._stat_one(path)
+        if self._dirs.get(path) is None:
+            self._list(path)
 
     def _stat_one(self, path: str, strict: bool = False) -> Attr | None:
         """The attributes of a listed entry from the source, into the metadata cache. Errors

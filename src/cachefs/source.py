@@ -13,10 +13,9 @@ import logging
 import os
 import stat as stat_mod
 import threading
-import time
 from typing import Protocol
 
-from cachefs.config import KEPT_FILES, LISTING_CHEAP_STAT, LISTING_PROBE_EVERY, LISTING_SLOW_STAT, LISTING_STAT_BUDGET
+from cachefs.config import KEPT_FILES
 from cachefs.directio import ALIGN as _ALIGN
 from cachefs.directio import DescriptorCache
 from cachefs.directio import pread as _pread
@@ -32,11 +31,11 @@ class Source(Protocol):
 
     def stat(self, path: str) -> Attr: ...
 
-    def listdir(self, path: str, attrs: bool = False, every: bool = False) -> list[DirEntry]:
-        """The directory's entries; with `attrs`, each with its attributes where the source
-        gives them cheaply, or `every` one whatever it costs (what NFS's READDIRPLUS gives:
-        one listing, no request per entry where the client caches them). An entry may come
-        without (attr None): the caller asks for those itself."""
+    def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
+        """The directory's entries, each with its d_type; with `attrs`, each with its
+        attributes too (what NFS's READDIRPLUS gives: one listing, no request per entry
+        where the client caches them). An entry that vanished meanwhile may come without
+        (attr None): the caller asks for those itself."""
         ...
 
     def read_whole(self, path: str, limit: int, expect: FileId | None = None) -> tuple[Attr, bytes | None]:
@@ -136,8 +135,6 @@ class LocalSource:
         self._root_lock = threading.Lock()
         self._openat2 = _syscall is not None and os.uname().sysname == "Linux"
         self._moved_warned = False
-        self._slow_stats = False  # whether the last listing found stats slow (see listdir)
-        self._probed = 0.0  # when a listing last tried a stat to see whether they still are
 
     def root_fd(self) -> int:
         """The descriptor (O_PATH) of the tree being served."""
@@ -250,54 +247,37 @@ class LocalSource:
         finally:
             os.close(fd)
 
-    def listdir(self, path: str, attrs: bool = False, every: bool = False) -> list[DirEntry]:
-        """With `attrs`, entries carry their attributes while stat-ing them in series is
-        cheap (see config.LISTING_CHEAP_STAT); past that, the rest come with d_type only.
-        `every`: all of them (the check of a directory after a restart: one fstatat each
-        beside the listing costs the store less than a lookup each)."""
+    def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
+        """With `attrs`, every entry with its attributes (one fstatat each beside the
+        listing: the check of a directory after a restart, which costs the store less than
+        a lookup each); without, d_type only: no request per entry."""
         out = []
-        stat_time, statted = 0.0, 0
-        if not every and self._slow_stats and time.monotonic() - self._probed < LISTING_PROBE_EVERY:
-            attrs = False  # on demand, without a probe
-        probe = self._slow_stats and not every
+        new = tuple.__new__
         dfd = self._open_dir(path)
         try:
             with os.scandir(dfd) as it:
                 for entry in it:
                     if attrs:  # right after the listing: NFS and FUSE answer from what it brought
-                        start = time.perf_counter()
                         try:
                             a = Attr.from_stat(entry.stat(follow_symlinks=False))
                         except OSError:
                             continue  # vanished while listing
                         out.append(DirEntry(entry.name, stat_mod.S_IFMT(a.mode), a.ino, a))
-                        took = time.perf_counter() - start
-                        stat_time += took
-                        statted += 1
-                        if every:
-                            continue  # never judged slow
-                        if probe:  # stats were slow lately: one tells if they still are
-                            probe = False
-                            self._probed = time.monotonic()
-                            self._slow_stats = took > LISTING_SLOW_STAT
-                            attrs = not self._slow_stats
-                        elif stat_time > LISTING_STAT_BUDGET and stat_time > LISTING_CHEAP_STAT * statted:
-                            self._slow_stats, attrs = True, False  # a round trip each: looked up on demand
-                            self._probed = time.monotonic()
                         continue
                     try:
                         # d_type from the directory itself: no per-entry stat on the source.
-                        if entry.is_symlink():
-                            kind = stat_mod.S_IFLNK
+                        # Regular files first: most entries of a dataset are.
+                        if entry.is_file(follow_symlinks=False):
+                            kind = stat_mod.S_IFREG
                         elif entry.is_dir(follow_symlinks=False):
                             kind = stat_mod.S_IFDIR
-                        elif entry.is_file(follow_symlinks=False):
-                            kind = stat_mod.S_IFREG
+                        elif entry.is_symlink():
+                            kind = stat_mod.S_IFLNK
                         else:
                             kind = stat_mod.S_IFMT(entry.stat(follow_symlinks=False).st_mode)
                     except OSError:
                         kind = 0  # vanished while listing: report it, a lookup will say ENOENT
-                    out.append(DirEntry(entry.name, kind, entry.inode()))
+                    out.append(new(DirEntry, (entry.name, kind, entry.inode(), None)))  # DirEntry(...), faster
         finally:
             os.close(dfd)
         return out

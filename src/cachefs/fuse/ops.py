@@ -5,6 +5,7 @@ values it hands back (`Entry`, `Opened`, `DirItem`, `StatFs`, `FuseError`). The 
 
 from __future__ import annotations
 
+import bisect
 import errno
 import os
 import threading
@@ -140,9 +141,10 @@ class Operations:
     def opendir(self, req: Request, nodeid: int, flags: int) -> Opened:
         return Opened()
 
-    def readdir(self, req: Request, nodeid: int, fh: int) -> Sequence[DirItem]:
+    def readdir(self, req: Request, nodeid: int, fh: int) -> Sequence[DirItem | tuple[bytes, int, int]]:
         """The directory's entries ("." and ".." included), the same list for one handle:
-        the session hands them out in pieces by offset."""
+        the session hands them out in pieces by offset. Plain (name, mode, ino) tuples do
+        too: a listing of 200,000 names makes 200,000 of them."""
         raise FuseError(errno.ENOSYS)
 
     def releasedir(self, req: Request, nodeid: int, fh: int) -> None:
@@ -162,22 +164,26 @@ class Operations:
 
 
 class DirHandle:
-    __slots__ = ("fh", "items")
+    __slots__ = ("ends", "fh", "items", "records")
 
     def __init__(self, fh: int):
         self.fh = fh
-        self.items: Sequence[DirItem] | None = None
+        self.items: Sequence[DirItem | tuple[bytes, int, int]] | None = None
+        self.records = b""  # the items as READDIR records, packed at the first READDIR
+        self.ends: list[int] | None = None  # where each record ends in `records`
 
 
-def _fitting(items: Sequence[DirItem], offset: int, size: int, plus: bool) -> Iterator[tuple[int, DirItem]]:
+def _fitting(items: Sequence[DirItem | tuple[bytes, int, int]], offset: int, size: int,
+             plus: bool) -> Iterator[tuple[int, DirItem]]:
     """The entries from `offset` on, with their index, whose records fit in a reply of
     `size` bytes (READDIR's or READDIRPLUS's records, as `plus`)."""
     used = 0
     for i in range(offset, len(items)):
-        used += p.dirent_size(items[i].name, plus)
+        item = DirItem(*items[i])
+        used += p.dirent_size(item.name, plus)
         if used > size:
             return
-        yield i, items[i]
+        yield i, item
 
 
 class Handlers:
@@ -275,26 +281,39 @@ class Handlers:
             self._dirs[fh] = DirHandle(o.fh)
         return [p.OPEN_OUT.pack(fh, o.flags, 0)]
 
-    def _dir_items(self, req: Request, fh: int, offset: int) -> Sequence[DirItem]:
-        """The listing of a directory handle: taken when it is read from the start, and the
-        same for every later piece (offsets index into it)."""
+    def _dir_handle(self, req: Request, fh: int, offset: int) -> DirHandle:
+        """A directory handle with its listing: taken when it is read from the start, and
+        the same for every later piece (offsets index into it)."""
         with self._dirs_lock:
             handle = self._dirs.get(fh)
         if handle is None:
             raise FuseError(errno.EBADF)
         if handle.items is None or offset == 0:
             handle.items = self.ops.readdir(req, req.nodeid, handle.fh)
-        return handle.items
+            handle.ends = None
+        return handle
 
     def _readdir(self, req: Request, payload: memoryview) -> list[Buffer]:
+        """The records from `offset` on that fit in `size` bytes: a slice of the listing's
+        records, packed once (a listing of 200 entries is one READDIR, its records packed
+        in one pass, not a reply part each)."""
         fh, offset, size, *_ = p.READ_IN.unpack_from(payload)
-        items = self._dir_items(req, fh, offset)
-        return [p.pack_dirent(item.ino or 0xFFFFFFFF, i + 1, item.name, item.mode)
-                for i, item in _fitting(items, offset, size, plus=False)]
+        handle = self._dir_handle(req, fh, offset)
+        ends = handle.ends
+        if ends is None:
+            assert handle.items is not None
+            handle.records, ends = p.pack_dirents(handle.items)
+            handle.ends = ends
+        if offset >= len(ends):
+            return []
+        start = ends[offset - 1] if offset else 0
+        stop = bisect.bisect_right(ends, start + size, lo=offset)  # the records that fit
+        return [memoryview(handle.records)[start:ends[stop - 1]]] if stop > offset else []
 
     def _readdirplus(self, req: Request, payload: memoryview) -> list[Buffer]:
         fh, offset, size, *_ = p.READ_IN.unpack_from(payload)
-        items = self._dir_items(req, fh, offset)
+        items = self._dir_handle(req, fh, offset).items
+        assert items is not None
         out: list[Buffer] = []
         for i, item in _fitting(items, offset, size, plus=True):  # sized before the lookup it counts
             entry = b"\0" * (p.ENTRY_OUT.size + p.ATTR.size)  # no attributes: the kernel looks it up

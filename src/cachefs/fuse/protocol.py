@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import stat as stat_mod
 import struct
+from collections.abc import Iterable
 from typing import NamedTuple
 
 KERNEL_VERSION = 7
@@ -170,6 +171,27 @@ def pack_dirent(ino: int, off: int, name: bytes, mode: int) -> bytes:
     """One struct fuse_dirent: d_type from the mode's S_IFMT bits, padded to 8 bytes."""
     record = DIRENT.pack(ino, off, len(name), stat_mod.S_IFMT(mode) >> 12) + name
     return record + b"\0" * (-len(record) % 8)
+
+
+def pack_dirents(items: Iterable[tuple[bytes, int, int]]) -> tuple[bytes, list[int]]:
+    """READDIR's records of (name, mode, ino) items, their offsets 1, 2, ... (a later
+    READDIR's offset is the index of the next item), in one pass; and where each record
+    ends. An ino of 0 (unknown) is sent as 0xFFFFFFFF: 0 would hide the entry."""
+    parts: list[bytes] = []
+    ends: list[int] = []
+    pos = 0
+    pack = DIRENT.pack
+    head = DIRENT.size
+    for i, (name, mode, ino) in enumerate(items, 1):
+        n = len(name)
+        pad = -(head + n) % 8
+        parts += (pack(ino or 0xFFFFFFFF, i, n, (mode & 0o170000) >> 12), name, _PAD[pad])
+        pos += head + n + pad
+        ends.append(pos)
+    return b"".join(parts), ends
+
+
+_PAD = [b"\0" * n for n in range(8)]
 
 
 def pack_direntplus(entry: bytes, ino: int, off: int, name: bytes, mode: int) -> bytes:

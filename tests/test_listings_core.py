@@ -1,0 +1,118 @@
+"""Listings: names and types without a stat per entry, every attribute for a directory's
+check after a restart, and the directories a walk lists next listed ahead, once each."""
+
+from __future__ import annotations
+
+import stat
+import threading
+import time
+
+from cachefs.config import LIST_AHEAD
+from cachefs.memsource import MemorySource
+from cachefs.source import LocalSource
+from cachefs.stats import Stats
+from cachefs.tiers.disk import DiskTier
+from tests.helpers import make_core, wait_listed
+
+
+def _wait(predicate, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def test_a_local_listing_with_attributes_brings_every_one(tmp_path):
+    root = tmp_path / "src"
+    (root / "d").mkdir(parents=True)
+    for i in range(2_000):
+        (root / "d" / f"f{i}").write_bytes(b"x" * (i % 5))
+    entries = LocalSource(str(root)).listdir("/d", attrs=True)
+    assert len(entries) == 2_000 and all(e.attr is not None for e in entries)
+    assert {e.name: e.attr.size for e in entries} == {f"f{i}": i % 5 for i in range(2_000)}
+    plain = LocalSource(str(root)).listdir("/d")  # names and types only
+    assert all(e.attr is None and e.type_mode == stat.S_IFREG for e in plain) and len(plain) == 2_000
+
+
+def test_a_listing_asks_the_source_for_no_attribute_and_lookups_ask_on_demand():
+    source = MemorySource()
+    for i in range(100):
+        source.add_file(f"/d/f{i:03d}", bytes(i))
+    core = make_core(source)
+    entries = core.readdir("/d")
+    assert len(entries) == 100 and source.calls["stat"] == 0 and source.calls["listdir"] == 1
+    assert core.known_attr("/d/f050") is None
+    assert core.getattr("/d/f077").size == 77 and source.calls["stat"] == 1   # on demand
+    core.close()
+
+
+def test_after_a_restart_the_check_of_a_directory_fetches_every_missing_attribute(tmp_path):
+    source = MemorySource()
+    files = {f"/d/f{i}": bytes([i]) * (100 + i) for i in range(30)}
+    for name, data in files.items():
+        source.add_file(name, data)
+    first = DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False)
+    core = make_core(source, disk=first)
+    for name, data in files.items():
+        assert core.read(name, 0, len(data)) == data
+    core.close()
+    source.add_file("/d/f7", b"changed")   # changed while the daemon was down
+    changed = []
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False))
+    core.hooks.on_source_changed = changed.append
+    assert core.getattr("/d/f7").size == 107   # answered from the index ...
+    core.readdir("/d")                          # ... and the listing's check finds the change
+    assert changed == ["/d/f7"] and core.stats.get("metadata.index_stale") == 1
+    core.close()
+
+
+def _recording(source: MemorySource) -> list[str]:
+    """The paths `source` is asked to list, in order."""
+    listed: list[str] = []
+    plain = source.listdir
+
+    def listdir(path, attrs=False):
+        listed.append(path)
+        return plain(path, attrs)
+    source.listdir = listdir
+    return listed
+
+
+def test_a_walk_s_next_directories_are_stat_ed_and_listed_ahead_in_name_order():
+    source = MemorySource()
+    for c in reversed(range(100)):  # made in reverse: the window follows names, not the source's order
+        source.add_file(f"/root/c{c:03d}/x.jpg", b"x")
+    source.add_file("/root/readme", b"hi")
+    listed = _recording(source)
+    core = make_core(source)
+    core.readdir("/root")
+    wait_listed(core)
+    ahead = [f"/root/c{c:03d}" for c in range(LIST_AHEAD)]
+    assert listed == ["/root"] + ahead   # the first LIST_AHEAD, each once, in name order
+    assert all(core.known_attr(d) is not None for d in ahead)   # and their attributes (a walk looks them up)
+    assert core.known_attr("/root/readme") is None and source.calls["stat"] == LIST_AHEAD   # files: on demand
+    core.readdir("/root/c010")   # a reader at the 11th: the window moves to the 43rd
+    wait_listed(core)
+    assert listed[1 + LIST_AHEAD:] == [f"/root/c{c:03d}" for c in range(LIST_AHEAD, 11 + LIST_AHEAD)]
+    core.close()
+
+
+def test_a_reader_waits_for_a_listing_in_flight_instead_of_asking_again():
+    source = MemorySource()
+    for c in range(3):
+        source.add_file(f"/root/c{c}/x.jpg", b"x")
+    listed = _recording(source)
+    core = make_core(source)
+    source.hang("/root/c0")   # the store stops answering for c0: its listing ahead waits
+    core.readdir("/root")
+    got = []
+    reader = threading.Thread(target=lambda: got.append(core.readdir("/root/c0")))
+    reader.start()
+    time.sleep(0.2)
+    assert reader.is_alive() and not got   # waiting for the listing ahead, not asking itself
+    source.release()
+    reader.join(10)
+    assert [e.name for e in got[0]] == ["x.jpg"]
+    wait_listed(core)
+    assert sorted(listed) == ["/root", "/root/c0", "/root/c1", "/root/c2"]   # c0 once
+    core.close()
