@@ -8,6 +8,7 @@ import threading
 import time
 
 from cachefs.config import LIST_AHEAD
+from cachefs.listahead import ATTRS_AHEAD_AFTER
 from cachefs.memsource import MemorySource
 from cachefs.source import LocalSource
 from cachefs.stats import Stats
@@ -115,4 +116,33 @@ def test_a_reader_waits_for_a_listing_in_flight_instead_of_asking_again():
     assert [e.name for e in got[0]] == ["x.jpg"]
     wait_listed(core)
     assert sorted(listed) == ["/root", "/root/c0", "/root/c1", "/root/c2"]   # c0 once
+    core.close()
+
+
+def test_lookups_in_a_row_bring_the_directory_s_attributes_and_listings_with_them():
+    source = MemorySource()
+    for d in ("a", "b"):
+        for i in range(20):
+            source.add_file(f"/t/{d}/f{i:02d}", bytes(i))
+    listed = _recording(source)
+    core = make_core(source)
+    core.readdir("/t")
+    core.readdir("/t/a")
+    wait_listed(core)
+    assert not core.metadata.listing_attrs_wanted()
+    for c in ("/t/a", "/t/b"):   # a walk looks directories up: no pattern
+        core.getattr(c)
+    assert not core.metadata.listing_attrs_wanted()
+    stats_before = source.calls["stat"]
+    for i in range(ATTRS_AHEAD_AFTER):   # `ls -l`: the files, one after another
+        assert core.getattr(f"/t/a/f{i:02d}").size == i
+    wait_listed(core)
+    assert source.calls["stat"] - stats_before == ATTRS_AHEAD_AFTER
+    assert core.metadata.listing_attrs_wanted() and listed[-1] == "/t/a"   # listed again, with attributes
+    assert all(core.known_attr(f"/t/a/f{i:02d}").size == i for i in range(20))   # the rest came with it
+    assert core.getattr("/t/a/f19").size == 19 and source.calls["stat"] - stats_before == ATTRS_AHEAD_AFTER
+    # the next listing brings its entries' attributes, though /t/b was listed ahead without
+    entries = core.readdir("/t/b")
+    assert all(e.attr is not None for e in entries) and listed[-1] == "/t/b"
+    assert core.known_attr("/t/b/f07").size == 7
     core.close()

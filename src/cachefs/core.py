@@ -120,6 +120,7 @@ class Core:
         self.attr_expiry = meta.attr_expiry
         self.attrs_of = meta.attrs_of
         self.readdir = meta.readdir
+        self.listing_attrs_wanted = meta.listing_attrs_wanted
         self.readlink = meta.readlink
         self.statfs = meta.statfs
         self.getxattr = meta.getxattr

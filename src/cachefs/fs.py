@@ -105,12 +105,11 @@ _FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodee
 class CachefsFS(Published, Operations):
     """The file system cachefs mounts: a read-only mirror of the source through the core."""
 
-    # READDIR, not READDIRPLUS: a walk needs names and types, and READDIRPLUS made every
-    # listing stat each entry on the source and the kernel make an inode of each. A walk
-    # of 200,000 files on a local disk took 2.9 s (1.6 s of the daemon's CPU) with it,
-    # 1.8 s without; `ls -l` looks each entry up instead (a serving process answers a
-    # published name).
-    want_readdirplus = False
+    # READDIRPLUS (the kernel's adaptive kind, READDIRPLUS_AUTO), its entries with
+    # attributes only while something stats what it lists (`ls -l`: see
+    # cachefs/listahead.py); otherwise names and types, as READDIR's (see docs/design.md,
+    # Listings).
+    want_readdirplus = True
 
     def __init__(self, core: Core, config: Config, info: dict | None = None):
         self.core = core
@@ -318,6 +317,17 @@ class CachefsFS(Published, Operations):
         if self._table is not None and a.is_file:
             self._publish_name(nodeid, parent, name, path, a, entry)
         return entry
+
+    @_fuse_op
+    def lookup_known(self, req: Request, parent: int, name: bytes) -> bytes | None:
+        path = self.nodes.child(parent, name)
+        a = self.core.known_attr(path)
+        if a is None:
+            return None
+        return self._entry(path, a, parent, name)
+
+    def readdirplus_entries(self, req: Request, nodeid: int) -> bool:
+        return self.core.listing_attrs_wanted()
 
     def forget(self, nodeid: int, nlookup: int) -> None:
         if self.nodes.forget(nodeid, nlookup):

@@ -12,6 +12,17 @@ asking for a listing in flight waits for it instead of asking the source again.
 What is listed ahead is what a walk would list anyway, once each (the listings are
 cached for --metadata-ttl): a walk in another order gets its listings later, never more
 of them.
+
+Listings bring no attributes. Where something looks a directory's entries up one after
+another (`ls -l`, `du`, a job reading a folder in order), ATTRS_AHEAD_AFTER lookups in a
+row that found nothing cached have the directory listed again with every entry's
+attributes, in the background: one listing in the directory's own order (NFS's
+READDIRPLUS; on a local disk, stats in inode order, which the disk reads ahead), and the
+lookups that follow find them. For ATTRS_WANTED_FOR seconds after, every listing brings
+its entries' attributes, and READDIRPLUS hands them to the kernel: the rest of an
+`ls -lR` costs no lookup per file. A shuffled epoch's lookups seldom come twice in a row
+from one directory of many, and a walk that only lists (os.walk, ImageFolder) looks no
+file up.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -29,24 +41,38 @@ log = logging.getLogger(__name__)
 
 # Directories whose subdirectories are remembered (a walk descends through a few at once).
 PARENTS = 64
+# Lookups in a row in one directory that found nothing cached before its entries'
+# attributes are fetched ahead (see above).
+ATTRS_AHEAD_AFTER = 4
+# ...and how long listings bring attributes after (seconds; renewed by the next such run).
+ATTRS_WANTED_FOR = 10.0
 # How long a reader waits for a listing in flight before asking itself (seconds): the
 # listing goes through the source guard, whose timeout ends it well before.
 WAIT_LIMIT = 120.0
+
+
+def _attrs_key(directory: str) -> str:
+    """The key of a directory's listing with attributes in flight (no path has a NUL)."""
+    return "\0attrs" + directory
 
 
 class ListAhead:
     """Which directories to list ahead, and the listings in flight. Thread-safe."""
 
     def __init__(self, pool: Executor, fetch: Callable[[str], None], cached: Callable[[str], bool],
-                 window: int = LIST_AHEAD):
+                 fetch_attrs: Callable[[str], object], window: int = LIST_AHEAD):
         self._pool = pool
         self._fetch = fetch  # stats and lists one directory into the cache
         self._cached = cached  # whether a directory's listing is cached
+        self._fetch_attrs = fetch_attrs  # lists one directory with its entries' attributes
         self._window = window
         self._lock = threading.Lock()
         # parent -> its subdirectories in name order, and each one's place in it
         self._subdirs: OrderedDict[str, tuple[list[str], dict[str, int]]] = OrderedDict()
         self._flying: dict[str, threading.Event] = {}
+        self._run_dir = ""  # the directory of the last lookups that missed, and how many in a row
+        self._run = 0
+        self._attrs_until = 0.0  # time.monotonic() until which listings bring attributes
 
     def listed(self, path: str, subdirs: list[str]) -> None:
         """`path` was listed from the source (by a reader or ahead) with these subdirectories."""
@@ -80,14 +106,40 @@ class ListAhead:
                 self._flying[d] = threading.Event()
         for d in todo:
             try:
-                self._pool.submit(self._run, d)
+                self._pool.submit(self._run_task, d, self._fetch, d)
             except RuntimeError:  # the pool is closing
                 self._done(d)
 
-    def wait(self, path: str, blocking: Callable[[], contextlib.AbstractContextManager[object]]) -> bool:
+    def missed(self, path: str) -> None:
+        """A lookup of `path` found nothing cached (see above)."""
+        directory = path.rpartition("/")[0] or "/"
+        key = _attrs_key(directory)
+        with self._lock:
+            if directory == self._run_dir:
+                self._run += 1
+            else:
+                self._run_dir, self._run = directory, 1
+            if self._run != ATTRS_AHEAD_AFTER:
+                return
+            self._attrs_until = time.monotonic() + ATTRS_WANTED_FOR
+            if key in self._flying:
+                return
+            self._flying[key] = threading.Event()
+        try:
+            self._pool.submit(self._run_task, key, self._fetch_attrs, directory)
+        except RuntimeError:  # the pool is closing
+            self._done(key)
+
+    def attrs_wanted(self) -> bool:
+        """Whether listings should bring their entries' attributes now (see above)."""
+        return time.monotonic() < self._attrs_until
+
+    def wait(self, path: str, blocking: Callable[[], contextlib.AbstractContextManager[object]],
+             attrs: bool = False) -> bool:
         """Wait for `path`'s listing if it is in flight (inside `blocking`: the session
-        then has another thread read requests); whether it was."""
-        event = self._flying.get(path)
+        then has another thread read requests); whether it was. `attrs`: the listing with
+        the attributes of `path`'s entries (see missed)."""
+        event = self._flying.get(_attrs_key(path) if attrs else path)
         if event is None:
             return False
         with blocking():
@@ -97,13 +149,13 @@ class ListAhead:
     def in_flight(self) -> int:
         return len(self._flying)
 
-    def _run(self, path: str) -> None:
+    def _run_task(self, key: str, fetch: Callable[[str], object], path: str) -> None:
         try:
-            self._fetch(path)
+            fetch(path)
         except Exception as exc:  # a reader asking for it lists it itself, and sees the error
             log.debug("listing %s ahead failed: %s", path, exc)
         finally:
-            self._done(path)
+            self._done(key)
 
     def _done(self, path: str) -> None:
         with self._lock:

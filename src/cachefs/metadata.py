@@ -39,6 +39,12 @@ from cachefs.tiers.multilevel import MultiLevelCache
 _NO_XATTRS: dict[str, bytes | None] = {}  # never written to: no name is in it
 
 
+def _without_attrs(listing: list[DirEntry]) -> bool:
+    """Whether a cached listing came without its entries' attributes (a listing with them
+    leaves out an entry it could not stat)."""
+    return bool(listing) and listing[0].attr is None
+
+
 class _TTLCache:
     """A bounded map of path -> (expiry, value), the oldest stored dropped first. Values may
     be an errno (negative entry)."""
@@ -112,7 +118,8 @@ class Metadata:
         # Not prefetch threads: their requests go through the source pool with the timeout,
         # and count as demand at the gate (a reader's listing may wait for them).
         self._stat_pool = ThreadPoolExecutor(LISTING_STAT_WORKERS, thread_name_prefix="cachefs-stat")
-        self._ahead = ListAhead(self._stat_pool, self._list_ahead, lambda path: self._dirs.get(path) is not None)
+        self._ahead = ListAhead(self._stat_pool, self._list_ahead, lambda path: self._dirs.get(path) is not None,
+                                lambda path: self._list(path, attrs=True))
         # After a restart, the NVMe tier knows the attributes each cached file was stored
         # under. Lookups are answered from them (within --metadata-ttl of when they were
         # last known good), and every directory is checked once, in bulk: its first listing
@@ -141,6 +148,12 @@ class Metadata:
             indexed = self._indexed(path)
             if indexed is not None:
                 return indexed
+        directory = path.rpartition("/")[0] or "/"
+        if self._ahead.wait(directory, self._hooks.blocking, attrs=True):  # `ls -l`: being listed
+            hit = self._attrs.get(path)
+            if isinstance(hit, Attr):
+                self.stats.incr("metadata.hits")
+                return hit
         self.stats.incr("metadata.misses")
         try:
             attr = self._guard.call("stat", self.source.stat, path)
@@ -155,6 +168,8 @@ class Metadata:
                 raise FileNotFoundError(stale, "no such file (cached)", path) from None
             return stale  # type: ignore[return-value]
         self._attrs.put(path, attr, self.metadata_ttl)
+        if not attr.is_dir:  # `ls -l`: the rest of the directory's attributes ahead (a walk
+            self._ahead.missed(path)  # looks subdirectories up, one after another)
         return attr
 
     def known_attr(self, path: str) -> Attr | None:
@@ -196,32 +211,42 @@ class Metadata:
         hit = self._dirs.get(path)
         if hit is None and self._ahead.wait(path, self._hooks.blocking):  # being listed ahead
             hit = self._dirs.get(path)
-        if hit is not None:
+        attrs = self._ahead.attrs_wanted()  # something stats what it lists (`ls -l`)
+        if hit is not None and not (attrs and _without_attrs(hit)):  # type: ignore[arg-type]
             self.stats.incr("metadata.hits")
             self._ahead.read(path)
             return hit  # type: ignore[return-value]
         self.stats.incr("metadata.misses")
-        entries = self._list(path)
+        entries = self._list(path, attrs)
         self._ahead.read(path)
         return entries
 
-    def _list(self, path: str) -> list[DirEntry]:
+    def listing_attrs_wanted(self) -> bool:
+        """Whether something stats what it lists now (`ls -l`: see ListAhead.missed)."""
+        return self._ahead.attrs_wanted()
+
+    def _list(self, path: str, attrs: bool = False) -> list[DirEntry]:
         """A listing from the source, into the cache. Names and d_type only: a walk (os.walk,
         ImageFolder) needs no attributes, and a stat per entry beside the listing (what
         this did while the kernel was given READDIRPLUS) was half the daemon's CPU in a
         walk of 200,000 files on a local disk, and a round trip each on a network store
         whose client keeps no attributes. Each entry is looked up when someone needs it,
         as reading the store directly would. The one exception is a directory's check after
-        a restart (see _check_dir): one request with every entry's attributes."""
+        a restart (see _check_dir), and `attrs`, the lookups of an `ls -l` (ListAhead.missed):
+        one request with every entry's attributes."""
         check = self._index_answers and path not in self._checked_dirs
         try:
-            entries = self._guard.call("listdir", self.source.listdir, path, check)
+            entries = self._guard.call("listdir", self.source.listdir, path, check or attrs)
         except OSError as exc:
             return self._stale(self._dirs, path, exc)  # type: ignore[return-value]
+        prefix = path.rstrip("/") + "/"
         if check:
             self._check_dir(path, entries)
+        elif attrs:
+            for e in entries:
+                if e.attr is not None:
+                    self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
         self._dirs.put(path, entries, self.metadata_ttl)
-        prefix = path.rstrip("/") + "/"
         self._ahead.listed(path, [prefix + e.name for e in entries if e.type_mode == stat_mod.S_IFDIR])
         return entries
 
@@ -230,8 +255,10 @@ class Metadata:
         first) and its listing."""
         if self._attrs.get(path) is None:
             self._stat_one(path)
-        if self._dirs.get(path) is None:
-            self._list(path)
+        attrs = self._ahead.attrs_wanted()
+        listing = self._dirs.get(path)
+        if listing is None or (attrs and _without_attrs(listing)):  # type: ignore[arg-type]
+            self._list(path, attrs)
 
     def _stat_one(self, path: str, strict: bool = False) -> Attr | None:
         """The attributes of a listed entry from the source, into the metadata cache. Errors

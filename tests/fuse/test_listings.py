@@ -95,10 +95,10 @@ def test_every_directory_lists_whole_with_and_without_stats_and_seekdir(big_dirs
     for count in SIZES:
         expected = _expected(big_dirs, count)
         path = str(mp / f"d{count}")
-        # os.listdir: READDIR, its records packed once and handed out in slices
+        # os.listdir: READDIRPLUS first (names only), then READDIR, records packed once
         names = os.listdir(path)
         assert len(names) == len(set(names)) == count and sorted(names) == expected
-        # os.scandir with a stat of each entry: a LOOKUP each
+        # os.scandir with a stat of each entry: LOOKUPs, until cachefs sees the pattern
         with os.scandir(path) as it:
             sizes = {e.name: e.stat().st_size for e in it}
         assert sorted(sizes) == expected
@@ -110,7 +110,7 @@ def test_every_directory_lists_whole_with_and_without_stats_and_seekdir(big_dirs
         assert again == rest
     s = stats(mp)
     assert s["fuse"]["errors"] == 0 and s["fuse"]["reply_failures"] == 0
-    assert s["fuse"]["readdir"] > 0 and s["fuse"]["readdirplus"] == 0  # cachefs asks for no READDIRPLUS
+    assert s["fuse"]["readdir"] > 0 and s["fuse"]["readdirplus"] > 0
 
 
 def test_a_remounted_directory_of_1281_files_lists_from_the_index(big_dirs, mounts, tmp_path):
@@ -142,3 +142,36 @@ def test_a_walk_over_a_store_without_attribute_caching_costs_requests_per_direct
     assert store["getattr"] + store["readdir"] < 20 * 11, store
     s = stats(mp)
     assert s["source"]["stat"] < 40 and s["fuse"]["lookup"] < 40, (s["source"], s["fuse"])
+
+
+def _tree(root, classes: int, files: int):
+    for c in range(classes):
+        (root / f"c{c:02d}").mkdir(parents=True)
+        for i in range(files):
+            (root / f"c{c:02d}" / f"{i:04d}.JPEG").write_bytes(b"x" * (i % 50))
+    return root
+
+
+def test_a_walk_stats_no_file_and_ls_l_stats_through_listings(tmp_path, mounts):
+    """A walk (ImageFolder's: names and types) asks the source for no file's attributes;
+    once something stats what it lists (`ls -l`), listings bring the attributes and
+    READDIRPLUS hands them to the kernel: the next directory's stats cost no LOOKUP."""
+    src = tmp_path / "src"
+    _tree(src / "walked", 12, 150)
+    _tree(src / "listed", 2, 150)
+    mp = mounts.cachefs(str(src))
+    assert len(list_imagefolder(str(mp / "walked"))) == 12 * 150
+    s = stats(mp)
+    assert s["latency"]["source.stat"]["count"] <= 12 + 3, s["latency"]["source.stat"]   # the folders only
+    assert s["fuse"]["lookup"] <= 12 + 3, s["fuse"]   # and the kernel looked up no file
+    # `ls -l` of a folder: lookups, until the pattern is seen...
+    first = {e.name: e.stat().st_size for e in os.scandir(mp / "listed" / "c00")}
+    assert first == {f"{i:04d}.JPEG": i % 50 for i in range(150)}
+    before = stats(mp)["fuse"]
+    assert before["lookup"] - s["fuse"]["lookup"] >= 4
+    # ...then the next folder's READDIRPLUS carries every entry: no LOOKUP for its stats
+    second = {e.name: e.stat().st_size for e in os.scandir(mp / "listed" / "c01")}
+    assert second == first
+    after = stats(mp)["fuse"]
+    assert after["lookup"] == before["lookup"] + 1, (before, after)   # the folder's own
+    assert after["readdirplus"] > before["readdirplus"] and after["errors"] == 0

@@ -9,7 +9,7 @@ import bisect
 import errno
 import os
 import threading
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -113,6 +113,11 @@ class Operations:
         entry goes without attributes, and the kernel looks it up when it needs it)."""
         return self.lookup(req, parent, name)
 
+    def readdirplus_entries(self, req: Request, nodeid: int) -> bool:
+        """Whether this READDIRPLUS's entries are worth a lookup_known each; False: names
+        and types only (what a walk that stats nothing needs)."""
+        return True
+
     def forget(self, nodeid: int, nlookup: int) -> None:
         pass
 
@@ -163,6 +168,9 @@ class Operations:
         pass
 
 
+_NO_ENTRY = bytes(p.ENTRY_OUT.size + p.ATTR.size)  # node id 0: a name without attributes
+
+
 class DirHandle:
     __slots__ = ("ends", "fh", "items", "records")
 
@@ -171,19 +179,6 @@ class DirHandle:
         self.items: Sequence[DirItem | tuple[bytes, int, int]] | None = None
         self.records = b""  # the items as READDIR records, packed at the first READDIR
         self.ends: list[int] | None = None  # where each record ends in `records`
-
-
-def _fitting(items: Sequence[DirItem | tuple[bytes, int, int]], offset: int, size: int,
-             plus: bool) -> Iterator[tuple[int, DirItem]]:
-    """The entries from `offset` on, with their index, whose records fit in a reply of
-    `size` bytes (READDIR's or READDIRPLUS's records, as `plus`)."""
-    used = 0
-    for i in range(offset, len(items)):
-        item = DirItem(*items[i])
-        used += p.dirent_size(item.name, plus)
-        if used > size:
-            return
-        yield i, item
 
 
 class Handlers:
@@ -311,16 +306,26 @@ class Handlers:
         return [memoryview(handle.records)[start:ends[stop - 1]]] if stop > offset else []
 
     def _readdirplus(self, req: Request, payload: memoryview) -> list[Buffer]:
+        """The records from `offset` on that fit in `size` bytes, each with the entry of a
+        lookup the file system answers without waiting (lookup_known), or none: the kernel
+        then takes the name and type, and looks the entry up when someone needs it. One
+        reply part for all of them."""
         fh, offset, size, *_ = p.READ_IN.unpack_from(payload)
         items = self._dir_handle(req, fh, offset).items
         assert items is not None
-        out: list[Buffer] = []
-        for i, item in _fitting(items, offset, size, plus=True):  # sized before the lookup it counts
-            entry = b"\0" * (p.ENTRY_OUT.size + p.ATTR.size)  # no attributes: the kernel looks it up
-            ino = item.ino or 0xFFFFFFFF
-            if item.name not in (b".", b".."):
+        out: list[bytes] = []
+        used = 0
+        lookup_known = self.ops.lookup_known if self.ops.readdirplus_entries(req, req.nodeid) else None
+        nodeid = req.nodeid
+        for i in range(offset, len(items)):
+            name, mode, ino = items[i]
+            used += p.dirent_size(name, True)
+            if used > size:  # sized before the lookup it counts
+                break
+            entry = _NO_ENTRY
+            if lookup_known is not None and name != b"." and name != b"..":
                 try:  # counts as a lookup: the kernel will FORGET it
-                    e = self.ops.lookup_known(req, req.nodeid, item.name)
+                    e = lookup_known(req, nodeid, name)
                     if e is None:
                         pass
                     elif isinstance(e, bytes):
@@ -331,8 +336,8 @@ class Handlers:
                         ino = e.attr.ino
                 except (FuseError, OSError):
                     pass
-            out.append(p.pack_direntplus(entry, ino, i + 1, item.name, item.mode))
-        return out
+            out.append(p.pack_direntplus(entry, ino or 0xFFFFFFFF, i + 1, name, mode))
+        return [b"".join(out)] if out else []
 
     def _releasedir(self, req: Request, payload: memoryview) -> list[Buffer]:
         fh = p.RELEASE_IN.unpack_from(payload)[0]
