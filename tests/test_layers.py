@@ -19,7 +19,7 @@ LAYERS = [
     ("tiers and sources", {"tiers", "tiers.layout", "tiers.index", "tiers.store", "tiers.memory", "tiers.disk",
                            "tiers.checks", "tiers.shared", "tiers.multilevel", "tiers.build", "source", "memsource"}),
     ("scheduling", {"gate", "prefetch", "flight", "guard"}),
-    ("core parts", {"metadata", "listahead", "blockpath", "fetcher", "fills", "dirahead"}),
+    ("core parts", {"metadata", "listahead", "listings", "blockpath", "fetcher", "fills", "dirahead"}),
     ("core", {"core"}),
     ("features", {"hints", "warm", "coverage", "control", "metrics"}),
     ("file system", {"nodes", "published", "fs"}),

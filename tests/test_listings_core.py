@@ -3,12 +3,16 @@ check after a restart, and the directories a walk lists next listed ahead, once 
 
 from __future__ import annotations
 
+import os
+import shutil
 import stat
 import threading
 import time
 
 from cachefs.config import LIST_AHEAD
+from cachefs.identity import Attr, DirEntry
 from cachefs.listahead import ATTRS_AHEAD_AFTER
+from cachefs.listings import ListingStore
 from cachefs.memsource import MemorySource
 from cachefs.source import LocalSource
 from cachefs.stats import Stats
@@ -57,6 +61,7 @@ def test_after_a_restart_the_check_of_a_directory_fetches_every_missing_attribut
     for name, data in files.items():
         assert core.read(name, 0, len(data)) == data
     core.close()
+    shutil.rmtree(tmp_path / "listings")   # no listing kept (see the next test)
     source.add_file("/d/f7", b"changed")   # changed while the daemon was down
     changed = []
     core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False))
@@ -64,6 +69,41 @@ def test_after_a_restart_the_check_of_a_directory_fetches_every_missing_attribut
     assert core.getattr("/d/f7").size == 107   # answered from the index ...
     core.readdir("/d")                          # ... and the listing's check finds the change
     assert changed == ["/d/f7"] and core.stats.get("metadata.index_stale") == 1
+    core.close()
+
+
+def test_a_restarted_walk_within_the_ttl_asks_the_source_nothing(tmp_path):
+    source = MemorySource()
+    for c in range(3):
+        for i in range(10):
+            source.add_file(f"/t/c{c}/f{i}", bytes([i]) * (10 + i))
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False))
+    for c in range(3):
+        assert [e.name for e in core.readdir(f"/t/c{c}")] == [f"f{i}" for i in range(10)]
+        assert core.read(f"/t/c{c}/f3", 0, 13) == bytes([3]) * 13
+    core.readdir("/t")
+    wait_listed(core)
+    core.metadata._listings.flush()
+    core.close()
+    calls = dict(source.calls)
+    listed = _recording(source)
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False))
+    walked = {c: [e.name for e in core.readdir(f"/t/c{c}")] for c in range(3)}
+    assert walked == {c: [f"f{i}" for i in range(10)] for c in range(3)}
+    assert [e.name for e in core.readdir("/t")] == ["c0", "c1", "c2"]
+    assert core.getattr("/t/c1/f3").size == 13   # from the NVMe index
+    wait_listed(core)
+    core.metadata.stop_checking()
+    assert listed == [] and dict(source.calls) == calls   # nothing asked of the source
+    assert core.stats.get("metadata.listings_kept") == 4
+    # a kept listing older than --metadata-ttl is not used: listed (and checked) again
+    old = core.readdir("/t/c2")
+    core.metadata.invalidate("/t/c2")   # forgotten, the kept copy too...
+    assert core.metadata._listings.load("/t/c2") is None
+    core.metadata._listings.save("/t/c2", old, time.time() - 2 * core.metadata.metadata_ttl)   # ...and an old one
+    core.metadata._listings.flush()
+    assert [e.name for e in core.readdir("/t/c2")] == [f"f{i}" for i in range(10)]
+    assert listed == ["/t/c2"]
     core.close()
 
 
@@ -146,3 +186,47 @@ def test_lookups_in_a_row_bring_the_directory_s_attributes_and_listings_with_the
     assert all(e.attr is not None for e in entries) and listed[-1] == "/t/b"
     assert core.known_attr("/t/b/f07").size == 7
     core.close()
+
+
+def test_kept_listings_round_trip_odd_names_refuse_damage_and_stay_in_budget(tmp_path):
+    held = [0]
+
+    def reserve(n: int) -> bool:
+        if held[0] + n > 64 << 10:   # a budget of 64 KiB
+            return False
+        held[0] += n
+        return True
+
+    def unreserve(n: int) -> None:
+        held[0] -= n
+
+    store = ListingStore(str(tmp_path / "l"), reserve, unreserve)
+    odd = ["a\nb", "caf\udce9", "x" * 255, " "]   # a newline, a name that is not UTF-8, the longest
+    entries = [DirEntry(name, stat.S_IFREG, 7 + i) for i, name in enumerate(odd)] + [DirEntry("sub", stat.S_IFDIR, 99)]
+    own = Attr(stat.S_IFDIR | 0o755, 3, 1000, 1000, 4096, 1, 2, 3, 8, 0, 77)
+    store.save("/d\nir", entries, 1234.5, own)
+    store.flush()
+    assert store.load("/d\nir") == (1234.5, entries, own) and store.load("/other") is None
+    assert held[0] == 2 * 4096   # the file and its directory, in 4 KiB blocks
+    sub, name = store._file("/d\nir")
+    with open(os.path.join(sub, name), "r+b") as f:   # a flipped byte: not used, and deleted
+        f.seek(40)
+        byte = f.read(1)
+        f.seek(40)
+        f.write(bytes([byte[0] ^ 1]))
+    assert store.load("/d\nir") is None and not os.path.exists(os.path.join(sub, name)) and held[0] == 4096
+    big = [DirEntry(f"{i:0100d}", stat.S_IFREG, i) for i in range(1000)]   # ~110 KB: over the budget
+    store.save("/big", big)
+    store.flush()
+    assert store.load("/big") is None and held[0] == 4096
+    store.save("/d", entries)
+    store.flush()
+    store.close()
+    held[0] = 0   # a new start holds what the last one kept, and deletes leftovers
+    open(os.path.join(sub, "junk.tmp"), "wb").close()
+    again = ListingStore(str(tmp_path / "l"), reserve, unreserve)
+    again.adopt_existing()
+    subdirs = len(os.listdir(tmp_path / "l"))   # each a 4 KiB block, beside /d's file
+    assert held[0] == 4096 * (subdirs + 1) and again.load("/d")[1] == entries
+    assert not os.path.exists(os.path.join(sub, "junk.tmp"))
+    again.close()

@@ -3,6 +3,7 @@ that fail, and two cores ("nodes") sharing one tier."""
 
 import logging
 import os
+import threading
 
 import pytest
 
@@ -230,3 +231,20 @@ def test_a_file_a_fetch_process_fills_on_its_own_is_shared_too(tmp_path):
         assert stats.get("shared.puts") == 1 and len(server.items) == 1
     finally:
         core.close()
+
+
+def test_a_thread_s_server_counts_are_its_own():
+    """A fetch process answers batches in several threads and reports each batch's hits per
+    server: what another thread counted meanwhile is not this batch's (it was counted twice)."""
+    t = tier([FakeServer(), FakeServer()])
+    fids = [FileId(f"/d/{i}.jpg", 100, 1_700_000_000_000_000_000 + i, 1) for i in range(40)]
+    assert t.store_many([(fid, 0, bytes([i]) * 100) for i, fid in enumerate(fids)]) == 40
+    other = threading.Thread(target=lambda: t.get_many([(fid, 0, 100) for fid in fids[:30]]))
+    other.start()
+    other.join()
+    assert t.server_counts(this_thread=True) == {}   # the other thread's hits are not this one's
+    got = t.get_many([(fid, 0, 100) for fid in fids[30:]])
+    assert all(x is not None for x in got)
+    mine = t.server_counts(this_thread=True)
+    assert sum(h for h, _ in mine.values()) == 10 and sum(m for _, m in mine.values()) == 0
+    assert sum(h for h, _ in t.server_counts().values()) == 40   # all threads'

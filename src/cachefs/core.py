@@ -23,6 +23,7 @@ learns at INIT reaches the parts through the KernelHooks given here (cachefs/hoo
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 from collections.abc import Callable
 
@@ -46,6 +47,7 @@ from cachefs.gate import SourceGate
 from cachefs.guard import SourceGuard
 from cachefs.hooks import KernelHooks
 from cachefs.identity import FileId
+from cachefs.listings import ListingStore
 from cachefs.metadata import Metadata
 from cachefs.prefetch import DIR, Prefetcher
 from cachefs.source import Source
@@ -98,8 +100,12 @@ class Core:
         self.gate = SourceGate(prefetcher.workers if prefetcher is not None else LISTING_STAT_WORKERS, stats=stats)
         self.flights = Flights(self.gate)
         self.guard = SourceGuard(stats, self.gate, self.flights, self.hooks, source_timeout)
+        listings = None
+        if cache.listings_dir is not None:  # kept on the cache disk: a restarted walk needs no source
+            listings = ListingStore(cache.listings_dir, cache.reserve, cache.unreserve)
+            threading.Thread(target=listings.adopt_existing, name="cachefs-listings-adopt", daemon=True).start()
         self.metadata = Metadata(source, self.guard, cache, stats, self.hooks, self.source_changed, block_size,
-                                 metadata_ttl, negative_ttl, clock, metadata_entries, check_acls)
+                                 metadata_ttl, negative_ttl, clock, metadata_entries, check_acls, listings)
         parts = Fetching(source, self.metadata, self.guard, self.flights, cache, stats, Guesses(stats),
                          self.source_changed, namespace, block_size)
         self.fills = SmallFills(parts)

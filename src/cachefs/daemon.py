@@ -246,7 +246,10 @@ def start_fetchers(core, config: Config) -> None:  # type: ignore[no-untyped-def
 
     channels = core.prefetcher.workers + 4
     cache = core.cache
-    core.use_fetchers(Fetchers(config.source, cache.fill_dir, core.namespace, core.block_size, n, channels,
+    # the source's resolved root: a fetch process given the descriptor resolves nothing
+    # (a realpath of a network mount's root is a request to it at every start)
+    root = getattr(core.source, "root", config.source)
+    core.use_fetchers(Fetchers(root, cache.fill_dir, core.namespace, core.block_size, n, channels,
                                _root_fd(core.source), config.shared_cache if cache.shares else None,
                                cache.shared_namespace))
     log.info("fetch processes: %d (%d channels)", n, channels)

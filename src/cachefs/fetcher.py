@@ -184,7 +184,7 @@ class _Worker:
         """A batch: from the shared tier what it has, the rest from the source (then
         shared); see the module's protocol."""
         before = self.stats.thread_counts()
-        servers_before = self.shared.server_counts() if self.shared is not None else {}
+        servers_before = self.shared.server_counts(this_thread=True) if self.shared is not None else {}
         replies: list[Filled | None] = [None] * len(requests)
         if self.shared is not None:
             wanted = [(i, r.expect) for i, r in enumerate(requests)
@@ -210,7 +210,7 @@ class _Worker:
         counts = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
         servers = {}
         if self.shared is not None:
-            for name, (hits, misses) in self.shared.server_counts().items():
+            for name, (hits, misses) in self.shared.server_counts(this_thread=True).items():
                 h0, m0 = servers_before.get(name, (0, 0))
                 if (hits, misses) != (h0, m0):
                     servers[name] = (hits - h0, misses - m0)

@@ -28,10 +28,11 @@ from cachefs.config import (
     METADATA_MAX_ENTRIES,
 )
 from cachefs.errors import SOURCE_DOWN
-from cachefs.guard import SourceGuard
+from cachefs.guard import SourceGuard, in_prefetch_thread
 from cachefs.hooks import KernelHooks
 from cachefs.identity import Attr, DirEntry, EntryInfo, FileId
 from cachefs.listahead import ListAhead
+from cachefs.listings import ListingStore
 from cachefs.source import Source
 from cachefs.stats import Stats
 from cachefs.tiers.multilevel import MultiLevelCache
@@ -99,7 +100,7 @@ class Metadata:
                  hooks: KernelHooks, on_changed: Callable[[str], None], block_size: int,
                  metadata_ttl: float = DEFAULT_METADATA_TTL, negative_ttl: float = DEFAULT_NEGATIVE_TTL,
                  clock: Callable[[], float] = time.monotonic, max_entries: int = METADATA_MAX_ENTRIES,
-                 check_acls: bool = False):
+                 check_acls: bool = False, listings: ListingStore | None = None):
         self.source = source
         self._guard = guard
         self._cache = cache
@@ -120,6 +121,7 @@ class Metadata:
         self._stat_pool = ThreadPoolExecutor(LISTING_STAT_WORKERS, thread_name_prefix="cachefs-stat")
         self._ahead = ListAhead(self._stat_pool, self._list_ahead, lambda path: self._dirs.get(path) is not None,
                                 lambda path: self._list(path, attrs=True))
+        self._listings = listings  # listings kept on the cache disk (cachefs/listings.py)
         # After a restart, the NVMe tier knows the attributes each cached file was stored
         # under. Lookups are answered from them (within --metadata-ttl of when they were
         # last known good), and every directory is checked once, in bulk: its first listing
@@ -148,6 +150,11 @@ class Metadata:
             indexed = self._indexed(path)
             if indexed is not None:
                 return indexed
+        if self._listings is not None and self._listings.has(path) and self._kept(path) is not None:
+            hit = self._attrs.get(path)  # a directory whose listing was kept, with its attributes
+            if isinstance(hit, Attr):
+                self.stats.incr("metadata.hits")
+                return hit
         directory = path.rpartition("/")[0] or "/"
         if self._ahead.wait(directory, self._hooks.blocking, attrs=True):  # `ls -l`: being listed
             hit = self._attrs.get(path)
@@ -168,8 +175,10 @@ class Metadata:
                 raise FileNotFoundError(stale, "no such file (cached)", path) from None
             return stale  # type: ignore[return-value]
         self._attrs.put(path, attr, self.metadata_ttl)
-        if not attr.is_dir:  # `ls -l`: the rest of the directory's attributes ahead (a walk
-            self._ahead.missed(path)  # looks subdirectories up, one after another)
+        # `ls -l`: the rest of the directory's attributes ahead. A walk looks subdirectories
+        # up one after another, and directory read-ahead the files it fetches: neither counts.
+        if not attr.is_dir and not in_prefetch_thread():
+            self._ahead.missed(path)
         return attr
 
     def known_attr(self, path: str) -> Attr | None:
@@ -217,8 +226,31 @@ class Metadata:
             self._ahead.read(path)
             return hit  # type: ignore[return-value]
         self.stats.incr("metadata.misses")
-        entries = self._list(path, attrs)
+        entries = None if attrs else self._kept(path)
+        if entries is None:
+            entries = self._list(path, attrs)
         self._ahead.read(path)
+        return entries
+
+    def _kept(self, path: str) -> list[DirEntry] | None:
+        """`path`'s listing as kept on the cache disk, if listed within --metadata-ttl (a
+        restarted mount): no request to the source, and no check of the directory until
+        then, as its files' attributes are answered from the NVMe index until theirs."""
+        if self._listings is None:
+            return None
+        kept = self._listings.load(path)
+        if kept is None:
+            return None
+        listed_at, entries, attr = kept
+        left = min(self.metadata_ttl - (time.time() - listed_at), self.metadata_ttl)
+        if left <= 0:
+            return None
+        self._dirs.put(path, entries, left)
+        if attr is not None and self._attrs.get(path) is None:  # its lookup needs no source either
+            self._attrs.put(path, self._with_acl(path, attr), left)
+        self.stats.incr("metadata.listings_kept")
+        prefix = path.rstrip("/") + "/"
+        self._ahead.listed(path, [prefix + e.name for e in entries if e.type_mode == stat_mod.S_IFDIR])
         return entries
 
     def listing_attrs_wanted(self) -> bool:
@@ -247,17 +279,23 @@ class Metadata:
                 if e.attr is not None:
                     self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
         self._dirs.put(path, entries, self.metadata_ttl)
+        if self._listings is not None:
+            own = self._attrs.get(path)
+            self._listings.save(path, entries, attr=own if isinstance(own, Attr) else None)
         self._ahead.listed(path, [prefix + e.name for e in entries if e.type_mode == stat_mod.S_IFDIR])
         return entries
 
     def _list_ahead(self, path: str) -> None:
         """A directory a walk lists next (ListAhead): its attributes (the walk looks it up
-        first) and its listing."""
-        if self._attrs.get(path) is None:
-            self._stat_one(path)
+        first) and its listing: kept ones first (which bring both, after a restart)."""
         attrs = self._ahead.attrs_wanted()
         listing = self._dirs.get(path)
-        if listing is None or (attrs and _without_attrs(listing)):  # type: ignore[arg-type]
+        stale = listing is None or (attrs and _without_attrs(listing))  # type: ignore[arg-type]
+        if stale and not attrs and self._kept(path) is not None:
+            stale = False
+        if self._attrs.get(path) is None:
+            self._stat_one(path)
+        if stale:
             self._list(path, attrs)
 
     def _stat_one(self, path: str, strict: bool = False) -> Attr | None:
@@ -348,7 +386,9 @@ class Metadata:
             directory = self._to_check.get()
             if not directory:
                 return
-            if directory in self._checked_dirs:
+            # checked, or trusted until its kept listing's TTL (listed from it, or now: see _kept)
+            if directory in self._checked_dirs or self._dirs.get(directory) is not None \
+                    or self._kept(directory) is not None:
                 continue
             self._dirs.pop(directory)  # listed again, with attributes
             try:
@@ -422,6 +462,8 @@ class Metadata:
         self._attrs.pop(path)
         self._dirs.pop(path)
         self._xattr_cache.pop(path)
+        if self._listings is not None:
+            self._listings.drop(path)
 
     def entry_info(self, fid: FileId) -> EntryInfo:
         """What a tier records with a cached file version: its path and attributes (kept so
@@ -460,3 +502,5 @@ class Metadata:
     def close(self) -> None:
         """Shut the stat pool (once the prefetch pool, which may list through it, stopped)."""
         self._stat_pool.shutdown(wait=False, cancel_futures=True)  # a hung stat stays hung
+        if self._listings is not None:
+            self._listings.close()

@@ -123,7 +123,7 @@ class LocalSource:
     def __init__(self, root: str, root_fd: int = -1):
         """`root_fd`: a descriptor of the root another process opened (a fetch process
         serves the daemon's tree, not whatever the path names when it starts)."""
-        self.root = os.path.realpath(root)
+        self.root = root if root_fd >= 0 else os.path.realpath(root)  # (the daemon's, resolved)
         # O_NOATIME keeps reads from writing atime to the source; it is only allowed for
         # the file's owner (or root), so fall back without it on EPERM.
         self._noatime = getattr(os, "O_NOATIME", 0)

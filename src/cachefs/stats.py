@@ -50,6 +50,7 @@ COUNTERS: tuple[str, ...] = (
     "shared.put_dropped", "shared.errors", "shared.checksum_failures", "shared.down_events",
     *(f"source.{op}" for op in SOURCE_OPS),
     "metadata.hits", "metadata.misses", "metadata.stale_served", "metadata.index_hits", "metadata.index_stale",
+    "metadata.listings_kept",
     "fuse.errors", "fuse.reply_failures", "fuse.busy_refusals", "fuse.descriptor_trims",
     *(f"fuse.{op}" for op in FUSE_OPS), *(f"fuse.{op}_us" for op in FUSE_OPS),
     "prefetch.blocks", "prefetch.bytes", "prefetch.used", "prefetch.wasted", "prefetch.no_room",

@@ -97,6 +97,12 @@ class MultiLevelCache:
         return self.disk is not None and len(self.disk) > 0
 
     @property
+    def listings_dir(self) -> str | None:
+        """Where listings are kept (cachefs/listings.py): beside the NVMe tier's files, in
+        its budget; None without an NVMe tier."""
+        return os.path.join(self.disk.directory, "listings") if self.disk is not None else None
+
+    @property
     def shares(self) -> bool:
         return self.shared is not None
 

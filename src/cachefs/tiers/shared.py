@@ -112,6 +112,7 @@ class SharedTier:
         self.down_for = down_for
         self._clock = clock
         self._servers = [_Server(a, connect(a, timeout)) for a in servers]
+        self._mine = threading.local()  # this thread's hits and misses, by server (see server_counts)
         self._weights = [xxhash.xxh64_intdigest(s.name.encode()) for s in self._servers]
         self._lock = threading.Lock()
         self._room = threading.Condition(self._lock)  # the put queue has room again
@@ -230,6 +231,9 @@ class SharedTier:
             hits = [out[i] for i in indexes if out[i] is not None]
             server.hits += len(hits)
             server.misses += len(indexes) - len(hits)
+            tally = self._tally().setdefault(server.name, [0, 0])
+            tally[0] += len(hits)
+            tally[1] += len(indexes) - len(hits)
             self.stats.add_many({"shared.hits": len(hits), "shared.misses": len(indexes) - len(hits),
                                  "shared.bytes": sum(len(x) for x in hits if x is not None)})
         return out
@@ -336,9 +340,18 @@ class SharedTier:
     def servers_down(self) -> int:
         return sum(1 for s in self._servers if s.down_until)
 
-    def server_counts(self) -> dict[str, tuple[int, int]]:
-        """Hits and misses so far, by server (a fetch process reports what it added)."""
+    def server_counts(self, this_thread: bool = False) -> dict[str, tuple[int, int]]:
+        """Hits and misses so far, by server; `this_thread`: this thread's (a fetch process
+        reports what one batch added, while its other threads answer other batches)."""
+        if this_thread:
+            return {name: (hits, misses) for name, (hits, misses) in self._tally().items()}
         return {s.name: (s.hits, s.misses) for s in self._servers}
+
+    def _tally(self) -> dict[str, list[int]]:
+        tally = getattr(self._mine, "tally", None)
+        if tally is None:
+            tally = self._mine.tally = {}
+        return tally
 
     def add_server_counts(self, counts: dict[str, tuple[int, int]]) -> None:
         """Add what a fetch process counted per server: `cachefs stats` shows the node's."""
