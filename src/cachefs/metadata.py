@@ -120,8 +120,9 @@ class Metadata:
         # and count as demand at the gate (a reader's listing may wait for them).
         self._stat_pool = ThreadPoolExecutor(LISTING_STAT_WORKERS, thread_name_prefix="cachefs-stat")
         self._ahead = ListAhead(self._stat_pool, self._list_ahead, lambda path: self._dirs.get(path) is not None,
-                                lambda path: self._list(path, attrs=True))
+                                lambda path: self._list(path, attrs=True), attrs_every=metadata_ttl)
         self._listings = listings  # listings kept on the cache disk (cachefs/listings.py)
+        self._kept_dirs: set[str] = set()  # directories listed from them in this run
         # After a restart, the NVMe tier knows the attributes each cached file was stored
         # under. Lookups are answered from them (within --metadata-ttl of when they were
         # last known good), and every directory is checked once, in bulk: its first listing
@@ -142,6 +143,8 @@ class Metadata:
         hit = self._attrs.get(path)
         if isinstance(hit, Attr):
             self.stats.incr("metadata.hits")
+            if not hit.is_dir and not in_prefetch_thread():
+                self._ahead.looked_up(path)  # `ls -l` (see cachefs/listahead.py)
             return hit
         if isinstance(hit, int):
             self.stats.incr("metadata.hits")
@@ -156,7 +159,9 @@ class Metadata:
                 self.stats.incr("metadata.hits")
                 return hit
         directory = path.rpartition("/")[0] or "/"
-        if self._ahead.wait(directory, self._hooks.blocking, attrs=True):  # `ls -l`: being listed
+        # `ls -l`: the directory being listed with attributes (elsewhere, a lookup waits for
+        # no listing: over a store whose stats are round trips that is a wait for all)
+        if self._ahead.attrs_wanted() and self._ahead.wait(directory, self._hooks.blocking, attrs=True):
             hit = self._attrs.get(path)
             if isinstance(hit, Attr):
                 self.stats.incr("metadata.hits")
@@ -175,10 +180,12 @@ class Metadata:
                 raise FileNotFoundError(stale, "no such file (cached)", path) from None
             return stale  # type: ignore[return-value]
         self._attrs.put(path, attr, self.metadata_ttl)
-        # `ls -l`: the rest of the directory's attributes ahead. A walk looks subdirectories
-        # up one after another, and directory read-ahead the files it fetches: neither counts.
+        # The rest of the directory's attributes ahead, and `ls -l` (cachefs/listahead.py). A
+        # walk looks subdirectories up one after another, and directory read-ahead the files
+        # it fetches: neither counts.
         if not attr.is_dir and not in_prefetch_thread():
             self._ahead.missed(path)
+            self._ahead.looked_up(path)
         return attr
 
     def known_attr(self, path: str) -> Attr | None:
@@ -221,7 +228,7 @@ class Metadata:
         if hit is None and self._ahead.wait(path, self._hooks.blocking):  # being listed ahead
             hit = self._dirs.get(path)
         attrs = self._ahead.attrs_wanted()  # something stats what it lists (`ls -l`)
-        if hit is not None and not (attrs and _without_attrs(hit)):  # type: ignore[arg-type]
+        if hit is not None and not (attrs and self._wants_attrs(path, hit)):  # type: ignore[arg-type]
             self.stats.incr("metadata.hits")
             self._ahead.read(path)
             return hit  # type: ignore[return-value]
@@ -231,6 +238,12 @@ class Metadata:
             entries = self._list(path, attrs)
         self._ahead.read(path)
         return entries
+
+    def _wants_attrs(self, path: str, listing: list[DirEntry]) -> bool:
+        """Whether a cached listing should be listed again with its entries' attributes
+        (`ls -l`): if it came without, unless it was kept (after a restart the NVMe index
+        answers for its files: lookup_known finds them)."""
+        return _without_attrs(listing) and path not in self._kept_dirs
 
     def _kept(self, path: str) -> list[DirEntry] | None:
         """`path`'s listing as kept on the cache disk, if listed within --metadata-ttl (a
@@ -246,6 +259,7 @@ class Metadata:
         if left <= 0:
             return None
         self._dirs.put(path, entries, left)
+        self._kept_dirs.add(path)
         if attr is not None and self._attrs.get(path) is None:  # its lookup needs no source either
             self._attrs.put(path, self._with_acl(path, attr), left)
         self.stats.incr("metadata.listings_kept")
@@ -290,7 +304,7 @@ class Metadata:
         first) and its listing: kept ones first (which bring both, after a restart)."""
         attrs = self._ahead.attrs_wanted()
         listing = self._dirs.get(path)
-        stale = listing is None or (attrs and _without_attrs(listing))  # type: ignore[arg-type]
+        stale = listing is None or (attrs and self._wants_attrs(path, listing))  # type: ignore[arg-type]
         if stale and not attrs and self._kept(path) is not None:
             stale = False
         if self._attrs.get(path) is None:
