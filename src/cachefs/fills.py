@@ -124,9 +124,9 @@ class SmallFills:
         with self._owning([claim]):
             return self._fetch(path, claim.fid, claim.key)
 
-    def _fetch(self, path: str, expect: FileId | None, key: BlockKey | None) -> Outcome:
-        """The fetch of fill(), owning `key` if it is known."""
-        if expect is not None and self._cache.shares:
+    def _fetch(self, path: str, expect: FileId, key: BlockKey) -> Outcome:
+        """The fetch of fill(), owning `key`."""
+        if self._cache.shares:
             info = EntryInfo(path, _attr_of(expect), self.block_size)
             data = self._cache.get_shared(block_key(self.namespace, expect, 0, self.block_size), info)
             known = self._meta.last_known(path)
@@ -135,7 +135,7 @@ class SmallFills:
         fetchers = self.fetchers
         if fetchers is None:
             return self._fetched(path, key, self._read_here(path, expect), None)
-        room = [expect.size if expect is not None else self.block_size]
+        room = [expect.size]
         if not self._cache.reserve(room[0]):
             self._stats.incr("prefetch.no_room")
             return "no_room", 0
@@ -155,7 +155,7 @@ class SmallFills:
             if room[0]:
                 self._cache.unreserve(room[0])
 
-    def _read_here(self, path: str, expect: FileId | None) -> Filled:
+    def _read_here(self, path: str, expect: FileId) -> Filled:
         """A fill's visit to the source in this process, as a fetch process's reply (READ,
         with the bytes)."""
         try:
@@ -226,7 +226,7 @@ class SmallFills:
 
     # -- what comes back ----------------------------------------------------------------------
 
-    def _fetched(self, path: str, key: BlockKey | None, reply: Filled, room: list[int] | None,
+    def _fetched(self, path: str, key: BlockKey, reply: Filled, room: list[int] | None,
                  shared_done: bool = False) -> Outcome:
         """What a fill does with the answer: cache the attributes, adopt or store the file
         (handing the held `room` to the admission), count, and queue what came from the
@@ -245,9 +245,6 @@ class SmallFills:
         self._meta.remember(path, attr)  # what the job's lookup will ask
         if not attr.is_file or not 0 < attr.size <= self.block_size:
             return None if kind == LARGE else ("cached", 0)
-        fid = FileId.of(path, attr)
-        if key is None:
-            key = block_key(self.namespace, fid, 0, self.block_size)
         # Counted as a stat (the open and fstat), and a read if it was read: the two
         # requests an NFS client sends (OPEN or GETATTR, then READ).
         from_shared = kind == SHARED or reply.shared

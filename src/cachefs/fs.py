@@ -25,7 +25,6 @@ import logging
 import os
 import queue
 import stat as stat_mod
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -39,7 +38,7 @@ from cachefs.fuse import protocol as p
 from cachefs.fuse.ops import Connection, Entry, FuseError, Opened, Operations, Request, StatFs
 from cachefs.fuse.serve import OWN_FH, ServeTable
 from cachefs.fuse.session import Session
-from cachefs.identity import Attr, FileId
+from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
 from cachefs.nodes import Backings, ErrorLog, NodeLocks, NodeOpen, Nodes, to_fuse_attr, version_of
 from cachefs.published import Published
 from cachefs.stats import FUSE_OPS
@@ -97,9 +96,6 @@ def _fuse_op(fn: F) -> F:
             raise FuseError(code) from None
 
     return wrapper  # type: ignore[return-value]
-
-
-_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 
 class CachefsFS(Published, Operations):
@@ -392,7 +388,7 @@ class CachefsFS(Published, Operations):
         # Plain tuples and str.encode (os.fsencode's): a third of what DirItem and
         # os.fsencode cost per entry.
         items = [(b".", stat_mod.S_IFDIR, 0), (b"..", stat_mod.S_IFDIR, 0)]
-        items += [(e.name.encode(_FS_ENCODING, _FS_ERRORS), e.type_mode, e.ino)
+        items += [(e.name.encode(FS_ENCODING, FS_ERRORS), e.type_mode, e.ino)
                   for e in self.core.readdir(self.nodes.path(nodeid))]
         return items
 

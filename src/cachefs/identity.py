@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import stat as stat_mod
+import sys
 from typing import NamedTuple
 
 
@@ -47,6 +48,9 @@ class Attr(NamedTuple):
 
 
 STAT_FIELDS = 11  # the integer fields of Attr (all but `version`), as the index stores them
+
+# os.fsencode's codec, for loops over names where a call of os.fsencode per name costs
+FS_ENCODING, FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 
 class DirEntry(NamedTuple):

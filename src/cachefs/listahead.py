@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -38,13 +39,13 @@ from collections.abc import Callable
 from concurrent.futures import Executor
 
 from cachefs.config import LIST_AHEAD
+from cachefs.identity import DirEntry
 
 log = logging.getLogger(__name__)
 
 # Directories whose subdirectories are remembered (a walk descends through a few at once).
 PARENTS = 64
-# Lookups in a row in one directory that found nothing cached before its entries'
-# attributes are fetched ahead (see above).
+# Different files of one directory looked up in a row that mean `ls -l` (see above).
 ATTRS_AHEAD_AFTER = 4
 # ...and how long listings bring attributes after (seconds; renewed by the next such run).
 ATTRS_WANTED_FOR = 10.0
@@ -81,11 +82,14 @@ class ListAhead:
         self._attrs_every = attrs_every  # seconds before a directory's attributes are fetched again
         self._attrs_fetched: OrderedDict[str, float] = OrderedDict()  # directory -> when
 
-    def listed(self, path: str, subdirs: list[str]) -> None:
-        """`path` was listed from the source (by a reader or ahead) with these subdirectories."""
-        if not subdirs or self._window <= 0:
+    def listed(self, path: str, entries: list[DirEntry]) -> None:
+        """`path` was listed (from the source or its kept copy, by a reader or ahead)."""
+        if self._window <= 0:
             return
-        subdirs.sort()
+        prefix = path.rstrip("/") + "/"
+        subdirs = sorted(prefix + e.name for e in entries if e.type_mode == stat.S_IFDIR)
+        if not subdirs:
+            return
         with self._lock:
             self._subdirs[path] = (subdirs, {d: i for i, d in enumerate(subdirs)})
             self._subdirs.move_to_end(path)

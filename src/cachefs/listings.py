@@ -20,7 +20,6 @@ import logging
 import os
 import queue
 import struct
-import sys
 import threading
 import time
 import zlib
@@ -29,7 +28,7 @@ from typing import NamedTuple
 
 import xxhash
 
-from cachefs.identity import Attr, DirEntry
+from cachefs.identity import FS_ENCODING, FS_ERRORS, STAT_FIELDS, Attr, DirEntry
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +40,6 @@ _ATTR = struct.Struct("<IQIIqqqqqQQ")
 # Listings waiting to be written; more are not kept (the next start lists them again).
 PENDING_MAX = 4096
 DIR_BYTES = 4096  # what a directory of kept listings takes
-_FS_ENCODING, _FS_ERRORS = sys.getfilesystemencoding(), sys.getfilesystemencodeerrors()
 
 
 class Kept(NamedTuple):
@@ -51,12 +49,12 @@ class Kept(NamedTuple):
 
 
 def encode(path: str, listed_at: float, entries: list[DirEntry], attr: Attr | None = None) -> bytes:
-    raw = path.encode(_FS_ENCODING, _FS_ERRORS)
-    own = b"\1" + _ATTR.pack(*attr[:11]) if attr is not None else b"\0"
+    raw = path.encode(FS_ENCODING, FS_ERRORS)
+    own = b"\1" + _ATTR.pack(*attr[:STAT_FIELDS]) if attr is not None else b"\0"
     parts = [struct.pack("<d I", listed_at, len(raw)), raw, own, _COUNT.pack(len(entries))]
     pack = _ENTRY.pack
     for e in entries:
-        name = e.name.encode(_FS_ENCODING, _FS_ERRORS)
+        name = e.name.encode(FS_ENCODING, FS_ERRORS)
         parts += (pack(e.type_mode >> 12, e.ino, len(name)), name)
     body = b"".join(parts)
     return MAGIC + struct.pack("<I", zlib.crc32(body)) + body
@@ -71,7 +69,7 @@ def decode(data: bytes, path: str) -> Kept | None:
         return None
     listed_at, length = struct.unpack_from("<d I", data, start)
     pos = start + 12
-    if data[pos:pos + length] != path.encode(_FS_ENCODING, _FS_ERRORS):
+    if data[pos:pos + length] != path.encode(FS_ENCODING, FS_ERRORS):
         return None  # another path with the same hash (or a renamed file)
     pos += length
     attr = None
@@ -88,7 +86,7 @@ def decode(data: bytes, path: str) -> Kept | None:
     for _ in range(count):
         kind, ino, n = unpack(data, pos)
         pos += size
-        entries.append(new(DirEntry, (data[pos:pos + n].decode(_FS_ENCODING, _FS_ERRORS), kind << 12, ino, None)))
+        entries.append(new(DirEntry, (data[pos:pos + n].decode(FS_ENCODING, FS_ERRORS), kind << 12, ino, None)))
         pos += n
     return Kept(listed_at, entries, attr) if pos == len(data) else None
 
@@ -111,7 +109,7 @@ class ListingStore:
         self._writer.start()
 
     def _file(self, path: str) -> tuple[str, str]:
-        name = xxhash.xxh3_128_hexdigest(path.encode(_FS_ENCODING, _FS_ERRORS))
+        name = xxhash.xxh3_128_hexdigest(path.encode(FS_ENCODING, FS_ERRORS))
         return os.path.join(self._dir, name[:2]), name
 
     def has(self, path: str) -> bool:

@@ -40,12 +40,6 @@ from cachefs.tiers.multilevel import MultiLevelCache
 _NO_XATTRS: dict[str, bytes | None] = {}  # never written to: no name is in it
 
 
-def _without_attrs(listing: list[DirEntry]) -> bool:
-    """Whether a cached listing came without its entries' attributes (a listing with them
-    leaves out an entry it could not stat)."""
-    return bool(listing) and listing[0].attr is None
-
-
 class _TTLCache:
     """A bounded map of path -> (expiry, value), the oldest stored dropped first. Values may
     be an errno (negative entry)."""
@@ -115,9 +109,10 @@ class Metadata:
         self._xattr_cache = _TTLCache(max_entries, clock)
         # --allow-other: modes are cut down to what POSIX ACLs grant (see _with_acl)
         self.check_acls = check_acls
-        # The attributes a listing did not bring, when a check needs them all (see readdir)
-        # Not prefetch threads: their requests go through the source pool with the timeout,
-        # and count as demand at the gate (a reader's listing may wait for them).
+        # Listings and attributes ahead (cachefs/listahead.py), and the attributes
+        # `--coverage --exact` asks for. Not prefetch threads: their requests go through
+        # the source pool with the timeout, and count as demand at the gate (a reader's
+        # listing may wait for them).
         self._stat_pool = ThreadPoolExecutor(LISTING_STAT_WORKERS, thread_name_prefix="cachefs-stat")
         self._ahead = ListAhead(self._stat_pool, self._list_ahead, lambda path: self._dirs.get(path) is not None,
                                 lambda path: self._list(path, attrs=True), attrs_every=metadata_ttl)
@@ -241,9 +236,10 @@ class Metadata:
 
     def _wants_attrs(self, path: str, listing: list[DirEntry]) -> bool:
         """Whether a cached listing should be listed again with its entries' attributes
-        (`ls -l`): if it came without, unless it was kept (after a restart the NVMe index
-        answers for its files: lookup_known finds them)."""
-        return _without_attrs(listing) and path not in self._kept_dirs
+        (`ls -l`): if it came without (a listing with them leaves out an entry it could not
+        stat), unless it was kept (after a restart the NVMe index answers for its files:
+        lookup_known finds them)."""
+        return bool(listing) and listing[0].attr is None and path not in self._kept_dirs
 
     def _kept(self, path: str) -> list[DirEntry] | None:
         """`path`'s listing as kept on the cache disk, if listed within --metadata-ttl (a
@@ -263,12 +259,11 @@ class Metadata:
         if attr is not None and self._attrs.get(path) is None:  # its lookup needs no source either
             self._attrs.put(path, self._with_acl(path, attr), left)
         self.stats.incr("metadata.listings_kept")
-        prefix = path.rstrip("/") + "/"
-        self._ahead.listed(path, [prefix + e.name for e in entries if e.type_mode == stat_mod.S_IFDIR])
+        self._ahead.listed(path, entries)
         return entries
 
     def listing_attrs_wanted(self) -> bool:
-        """Whether something stats what it lists now (`ls -l`: see ListAhead.missed)."""
+        """Whether something stats what it lists now (`ls -l`: see ListAhead.looked_up)."""
         return self._ahead.attrs_wanted()
 
     def _list(self, path: str, attrs: bool = False) -> list[DirEntry]:
@@ -277,9 +272,10 @@ class Metadata:
         this did while the kernel was given READDIRPLUS) was half the daemon's CPU in a
         walk of 200,000 files on a local disk, and a round trip each on a network store
         whose client keeps no attributes. Each entry is looked up when someone needs it,
-        as reading the store directly would. The one exception is a directory's check after
-        a restart (see _check_dir), and `attrs`, the lookups of an `ls -l` (ListAhead.missed):
-        one request with every entry's attributes."""
+        as reading the store directly would. The exceptions, one request with every
+        entry's attributes: a directory's check after a restart (see _check_dir), and
+        `attrs`: behind a file's first lookup in the directory, and for `ls -l`
+        (cachefs/listahead.py)."""
         check = self._index_answers and path not in self._checked_dirs
         try:
             entries = self._guard.call("listdir", self.source.listdir, path, check or attrs)
@@ -296,7 +292,7 @@ class Metadata:
         if self._listings is not None:
             own = self._attrs.get(path)
             self._listings.save(path, entries, attr=own if isinstance(own, Attr) else None)
-        self._ahead.listed(path, [prefix + e.name for e in entries if e.type_mode == stat_mod.S_IFDIR])
+        self._ahead.listed(path, entries)
         return entries
 
     def _list_ahead(self, path: str) -> None:

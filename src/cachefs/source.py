@@ -34,8 +34,7 @@ class Source(Protocol):
     def listdir(self, path: str, attrs: bool = False) -> list[DirEntry]:
         """The directory's entries, each with its d_type; with `attrs`, each with its
         attributes too (what NFS's READDIRPLUS gives: one listing, no request per entry
-        where the client caches them). An entry that vanished meanwhile may come without
-        (attr None): the caller asks for those itself."""
+        where the client caches them), an entry that vanished meanwhile left out."""
         ...
 
     def read_whole(self, path: str, limit: int, expect: FileId | None = None) -> tuple[Attr, bytes | None]:

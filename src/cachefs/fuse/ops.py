@@ -146,7 +146,7 @@ class Operations:
     def opendir(self, req: Request, nodeid: int, flags: int) -> Opened:
         return Opened()
 
-    def readdir(self, req: Request, nodeid: int, fh: int) -> Sequence[DirItem | tuple[bytes, int, int]]:
+    def readdir(self, req: Request, nodeid: int, fh: int) -> Sequence[tuple[bytes, int, int]]:
         """The directory's entries ("." and ".." included), the same list for one handle:
         the session hands them out in pieces by offset. Plain (name, mode, ino) tuples do
         too: a listing of 200,000 names makes 200,000 of them."""
@@ -176,7 +176,7 @@ class DirHandle:
 
     def __init__(self, fh: int):
         self.fh = fh
-        self.items: Sequence[DirItem | tuple[bytes, int, int]] | None = None
+        self.items: Sequence[tuple[bytes, int, int]] | None = None
         self.records = b""  # the items as READDIR records, packed at the first READDIR
         self.ends: list[int] | None = None  # where each record ends in `records`
 
