@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import io
 import os
 import random
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from typing import NamedTuple
+from unittest import mock
 
 import pytest
 
@@ -355,6 +358,47 @@ def test_a_serving_process_stops_reading_while_its_forwarded_requests_wait(table
         k.close()
         stopped.kill()
         stopped.wait()
+
+
+def test_a_stop_is_seen_while_the_main_thread_still_runs(table):
+    """A stop that reached another thread first counts: the main thread shows T only once
+    it runs again (under load, or after a long disk wait), and a request read meanwhile
+    would wait on the stopped process, unkillable."""
+    k = FakeKernel(table)
+    spin = ("import threading, time\n"
+            "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n"
+            "while True: pass\n")
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)
+        k.server.main_pid = child.pid
+        assert not k.server.main_stopped()
+        tids = os.listdir(f"/proc/{child.pid}/task")
+        assert len(tids) == 2
+        other = next(int(t) for t in tids if int(t) != child.pid)
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not k.server.main_stopped() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert k.server.main_stopped()
+        real = k.server.main_stopped
+        states = {child.pid: b"R", other: b"T"}  # the moment before the main thread stops
+
+        def fake_open(path, mode="r", *a, **kw):
+            tid = int(str(path).split("/")[-2])                     # /proc/<pid>/task/<tid>/stat
+            return io.BytesIO(b"%d (python) %s 1 2 3" % (tid, states[tid]))
+
+        k.server._stat_fd = os.open("/dev/null", os.O_RDONLY)  # the main thread's state: R (below)
+        with mock.patch("os.pread", return_value=b"1 (python) R 1 2 3"), \
+                mock.patch("builtins.open", fake_open):
+            assert real()
+            states[other] = b"S"
+            assert not real()
+        os.kill(child.pid, signal.SIGCONT)
+    finally:
+        k.close()
+        child.kill()
+        child.wait()
 
 
 class FakeSession:

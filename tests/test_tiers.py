@@ -318,6 +318,7 @@ def test_the_restart_check_trusts_a_clean_cache_at_a_stat_per_file(tmp_path, mon
             time.sleep(0.05)
         assert stats.get("disk.trusted_files") == 20 and reads == []
         assert stats.get("disk.scrubbed_bytes") == 0
+        assert t2._entries == {}                           # trusted in the table, none brought into memory
         assert all(t2.entry(eid(n)).unverified is None for n in range(20))
     finally:
         t2.close()
@@ -433,11 +434,19 @@ def test_a_block_evicted_or_rewritten_while_it_is_checked_is_a_miss_not_corrupti
     assert t.entry(eid(1)) is not None and len(t.get((eid(1), 0))) == 50_000   # the new one stays
 
 
+def kill(t):
+    """What a kill -9 leaves: the index lines written so far, no clean stop."""
+    t.flush()
+    t._stop.set()
+    os.close(t._log_fd)
+    t._log_fd = -1
+
+
 def test_damaged_index_lines_cost_their_blocks_not_the_mount(disk, caplog):
     t = disk()
     for n in range(10):
         put(t, n, bytes([n]) * 5000)
-    t.close()
+    kill(t)                                                   # (a clean stop leaves a table, below)
     path = os.path.join(t.directory, index.NAME)
     lines = open(path, "rb").read().splitlines(keepends=True)
     damaged = [lines[i] if i % 3 else lines[i].replace(b"\t", b" ", 1) for i in range(len(lines))]
@@ -468,14 +477,18 @@ def test_an_unreadable_index_is_set_aside_and_the_tier_starts_empty(disk, caplog
     assert put(t2, 2, b"y" * 5000) and t2.get((eid(2), 0)) == b"y" * 5000
 
 
-def test_files_no_index_line_describes_are_deleted_at_start(disk):
+@pytest.mark.parametrize("clean", [False, True])
+def test_files_no_index_line_describes_are_deleted_at_start(disk, clean):
     t = disk()
     put(t, 1, b"x" * 5000)
-    t.close()
+    t.close() if clean else kill(t)
     orphan = t.file_of(eid(77).hex())
     os.makedirs(os.path.dirname(orphan), exist_ok=True)
     open(orphan, "wb").write(b"written, never recorded")
+    os.utime(orphan, (time.time() - 60, time.time() - 60))
     t2 = disk()
+    if clean:  # a start from the table lists nothing: the background sweep finds it
+        assert os.path.exists(orphan) and t2._sweep_orphans() == 1
     assert not os.path.exists(orphan) and t2.get((eid(1), 0)) == b"x" * 5000
 
 
@@ -485,8 +498,8 @@ def test_an_entry_whose_file_is_gone_is_dropped_at_start(disk):
     put(t, 2, b"y" * 5000)
     t.close()
     os.unlink(t.file_of(eid(1).hex()))
-    t2 = disk()
-    assert t2.entry(eid(1)) is None and t2.get((eid(2), 0)) == b"y" * 5000
+    t2 = disk()                                               # (from the table: dropped once touched)
+    assert t2.get((eid(1), 0)) is None and t2.entry(eid(1)) is None and t2.get((eid(2), 0)) == b"y" * 5000
     check(t2)
 
 

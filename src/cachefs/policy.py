@@ -41,7 +41,8 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
+from typing import Protocol
 
 from cachefs.config import DEFAULT_POLICY
 
@@ -59,6 +60,21 @@ REUSE_MIN_SHARE = 0.5    # this many per entry held: shorter is a re-read within
                          # (a block read in pieces, two readers at once), not an epoch's
 
 POLICIES = ("keep", "lru")
+
+
+class Cold(Protocol):
+    """Keys a tier restored at its start and has not brought into memory yet (the NVMe
+    tier's entry table, cachefs/tiers/restored.py): held, counted in `used`, older than
+    every key accessed since, never stale or pinned. `warm(key)` brings the key's entry in
+    (the tier calls `Policy.restore`) and says whether it was held; `oldest()` yields the
+    cold keys in restore order with their sizes."""
+
+    count: int
+    used: int
+
+    def warm(self, key: Hashable) -> bool: ...
+
+    def oldest(self) -> Iterator[tuple[Hashable, int]]: ...
 
 
 class Policy:
@@ -91,17 +107,46 @@ class Policy:
         self._collapsed_for = 0  # accesses since the collapse began
         self._collapse_tick = -1  # tick at which the latest collapse began
         self._window_length = HIT_WINDOW_MIN
+        self._cold: Cold | None = None
+        self._cold_when = 0.0  # clock time the cold keys count as last accessed
+
+    # -- keys restored at a start, kept out of memory until touched ---------------------------
+
+    def attach_cold(self, cold: Cold) -> None:
+        """Hold `cold`'s keys as if admitted now, before any access (see Cold)."""
+        self._cold = cold
+        self._cold_when = self._clock()
+        self.used += cold.used
+
+    def restore(self, items: list[tuple[Hashable, int]]) -> None:
+        """Keys of the cold set, brought into memory (their bytes already counted): the
+        oldest entries, never accessed."""
+        for key, size in items:
+            self._entries[key] = (size, 0, self._cold_when)
+            self._entries.move_to_end(key, last=False)
+
+    def _held(self, key: Hashable) -> bool:
+        """Whether `key` is held; a cold key is brought into memory first."""
+        if key in self._entries:
+            return True
+        cold = self._cold
+        return cold is not None and cold.count > 0 and cold.warm(key)
+
+    def _cold_keys(self) -> Iterator[tuple[Hashable, int]]:
+        cold = self._cold
+        if cold is not None and cold.count > 0:
+            yield from cold.oldest()
 
     # -- queries -----------------------------------------------------------------------
 
     def __contains__(self, key: Hashable) -> bool:
-        return key in self._entries
+        return self._held(key)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + (self._cold.count if self._cold is not None else 0)
 
     def keys(self) -> list[Hashable]:
-        return list(self._entries)
+        return [key for key, _ in self._cold_keys()] + list(self._entries)
 
     def has_room(self, size: int) -> bool:
         return self.used + size <= self.capacity
@@ -112,8 +157,10 @@ class Policy:
         """A read found `key` in the tier."""
         entry = self._entries.get(key)
         if entry is None:
-            self.miss()
-            return
+            if not self._held(key):
+                self.miss()
+                return
+            entry = self._entries[key]
         self._access(1)
         size, last, _ = entry
         reuse = self._tick - last
@@ -122,12 +169,13 @@ class Policy:
         if key in self._unread:
             self._unread.discard(key)  # fetched ahead, now read: a first read, no reuse
             return
-        if reuse < max(REUSE_MIN, REUSE_MIN_SHARE * len(self._entries)):
+        held = len(self)
+        if reuse < max(REUSE_MIN, REUSE_MIN_SHARE * held):
             return  # a re-read within one pass (a block read in pieces, two readers at once)
         self._hits_seen += 1
         # averaged over about four passes over the tier's entries: within one epoch, early
         # hits have short reuse distances and late ones long, and the mean must not swing
-        weight = 1.0 / min(self._hits_seen, max(HIT_WINDOW_MIN, min(REUSE_WINDOW, 4 * len(self._entries))))
+        weight = 1.0 / min(self._hits_seen, max(HIT_WINDOW_MIN, min(REUSE_WINDOW, 4 * held)))
         self.mean_reuse += (reuse - self.mean_reuse) * weight
         if len(self._reuses) == REUSE_SAMPLES and self._reuses[0] == self._max_reuse:
             self._reuses.append(reuse)
@@ -187,7 +235,7 @@ class Policy:
     def _admit(self, key: Hashable, size: int, evict: bool, pin_limit: int | None) -> list[Hashable] | None:
         """admit (pin_limit None) and admit_pinned (room taken oldest access first, then
         pinned, within `pin_limit` bytes of pins)."""
-        if key in self._entries:
+        if self._held(key):
             self.remove(key)  # a re-put replaces: refused, the key is not held at all
         pinned = pin_limit is not None
         if size > self.capacity or (pin_limit is not None and self.pinned_bytes + size > pin_limit):
@@ -212,9 +260,9 @@ class Policy:
 
     def pin(self, key: Hashable) -> bool:
         """Keep `key` until unpin(); False if it is not held."""
-        entry = self._entries.get(key)
-        if entry is None:
+        if not self._held(key):
             return False
+        entry = self._entries[key]
         count = self._pins.get(key, 0)
         if count == 0:
             self.pinned_bytes += entry[0]
@@ -235,9 +283,9 @@ class Policy:
         return key in self._pins
 
     def remove(self, key: Hashable) -> bool:
-        entry = self._entries.pop(key, None)
-        if entry is None:
+        if not self._held(key):
             return False
+        entry = self._entries.pop(key)
         self.used -= entry[0]
         self._stale.pop(key, None)
         self._unread.discard(key)
@@ -247,7 +295,7 @@ class Policy:
 
     def mark_stale(self, key: Hashable) -> None:
         """The source file of `key` changed or vanished: evict it before anything else."""
-        if key in self._entries:
+        if self._held(key):
             self._stale[key] = None
 
     def shrink(self, need: int) -> list[Hashable]:
@@ -259,6 +307,12 @@ class Policy:
             if freed >= need:
                 break
             freed += self._entries[key][0]
+            victims.append(key)
+            self.remove(key)
+        for key, size in self._cold_keys():  # the oldest: restored at the start, not read since
+            if freed >= need:
+                return victims
+            freed += size
             victims.append(key)
             self.remove(key)
         for pinned_too in (False, True):  # pins go last: a hard budget beats a hint
@@ -281,6 +335,13 @@ class Policy:
         either); None if they cannot free `need`."""
         victims, freed = self._stale_victims(need)
         chosen = set(victims)
+        for key, size in self._cold_keys():  # older than every key in memory (never stale or pinned)
+            if freed >= need:
+                return victims
+            if usable is not None and not usable(key):
+                return None
+            victims.append(key)
+            freed += size
         for key, (size, _, _) in self._entries.items():
             if freed >= need:
                 break
@@ -322,14 +383,15 @@ class Policy:
         return steady
 
     def is_idle(self, key: Hashable) -> bool:
-        _, last, when = self._entries[key]
+        _, last, when = self._entries.get(key) or (0, 0, self._cold_when)
         if self.max_idle is not None and self._clock() - when > self.max_idle:
             return True
         return self._tick - last > self.idle_after(last)
 
     def check(self) -> None:
         """Assert the invariants (tests call this after every operation)."""
-        assert self.used == sum(e[0] for e in self._entries.values()), "byte count drifted"
+        cold = self._cold.used if self._cold is not None else 0
+        assert self.used == cold + sum(e[0] for e in self._entries.values()), "byte count drifted"
         assert 0 <= self.used <= self.capacity, f"used {self.used} > capacity {self.capacity}"
         assert all(k in self._entries for k in self._stale), "a stale key is not an entry"
         assert all(k in self._entries for k in self._unread), "an unread key is not an entry"

@@ -31,6 +31,9 @@ from cachefs.stats import Stats
 from cachefs.tiers.layout import block_hash
 from cachefs.tiers.store import Entry
 
+if TYPE_CHECKING:
+    from cachefs.tiers.restored import Restored
+
 log = logging.getLogger(__name__)
 
 
@@ -75,6 +78,7 @@ class Checks:
 
     if TYPE_CHECKING:  # what it uses of DiskTier (FileStore comes after it in the MRO)
         _entries: dict[bytes, Entry]
+        _restored: Restored | None
         _lock: threading.RLock
         _stats: Stats
         _stop: threading.Event
@@ -92,6 +96,12 @@ class Checks:
         def _failed_check(self, key: BlockKey, why: str) -> None: ...
 
         def _verified(self, e: Entry, index: int) -> None: ...
+
+        def _entry(self, eid: bytes) -> Entry | None: ...
+
+        def _cold_blocks(self) -> list[BlockKey]: ...
+
+        def _sweep_orphans(self) -> int: ...
 
     def _trusted(self, e: Entry) -> bool:
         """Whether the entry's blocks may be served without reading them: all were written
@@ -125,6 +135,10 @@ class Checks:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         except (OSError, AttributeError):
             pass
+        if self._restored is not None:
+            if self._stop.wait(1.0) or not self._check_restored(self._restored):
+                return
+            self._sweep_orphans()
         while not self._stop.wait(1.0):
             with self._lock:
                 entries = [eid for eid, e in self._entries.items() if e.unverified]
@@ -135,6 +149,7 @@ class Checks:
         while self._scrub_every > 0 and not self._stop.wait(self._scrub_every):
             with self._lock:
                 todo = [(eid, i) for eid, e in self._entries.items() for i, h in enumerate(e.hashes) if h is not None]
+                todo += self._cold_blocks()  # (each brought into memory as it is read)
             if not self._scrub(todo, SCRUB_IDLE_RATE, SCRUB_IDLE_BLOCKS):
                 return
             self._stats.incr("disk.scrub_passes")
@@ -161,6 +176,38 @@ class Checks:
                 debt = 0.0
         return not self._stop.is_set()
 
+    def _check_restored(self, restored: Restored) -> bool:
+        """The restart check of the entries restored from the table, left out of memory
+        where their file is as the clean stop left it (one stat each, TRUST_RATE a second);
+        the others are brought in, to be read and compared by the check of entries in
+        memory that follows. False if the tier is closing."""
+        debt = 0.0
+        trusted = 0
+        for n, row, _ in restored.rows():
+            ok = False
+            if row.synced_ns:
+                try:
+                    st = os.stat(self.file_of(row.eid.hex()))
+                    ok = st.st_ctime_ns < row.synced_ns - CLEAN_MARGIN_NS and st.st_size == row.attr.size
+                except OSError:
+                    pass
+            with self._lock:
+                if restored.cold(n):
+                    if ok:
+                        restored.trust(n)
+                        trusted += 1
+                    else:
+                        restored.take(n)
+            debt += 1.0 / TRUST_RATE
+            if debt >= 0.05:
+                self._stats.incr("disk.trusted_files", trusted)
+                trusted = 0
+                if self._stop.wait(debt):
+                    return False
+                debt = 0.0
+        self._stats.incr("disk.trusted_files", trusted)
+        return not self._stop.is_set()
+
     def _scrub(self, todo: list[BlockKey], rate: float, blocks_rate: float) -> bool:
         """Check `todo` at most `rate` bytes (and `blocks_rate` blocks, if not 0) a second;
         False if the tier is closing."""
@@ -174,7 +221,7 @@ class Checks:
         """Read one block and compare it with its hash; the bytes read."""
         eid, i = key
         with self._lock:
-            e = self._entries.get(eid)
+            e = self._entry(eid)
             if e is None or e.hashes[i] is None or self.suspended:
                 return 0
             expected = e.hashes[i]

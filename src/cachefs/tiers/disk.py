@@ -51,6 +51,8 @@ from cachefs.policy import DEFAULT_POLICY, Policy
 from cachefs.stats import Stats
 from cachefs.tiers import index
 from cachefs.tiers.checks import Checks, Synced, mark_synced
+from cachefs.tiers.layout import replace_durably
+from cachefs.tiers.restored import FromTable, Restored
 from cachefs.tiers.store import (
     BlockKey,
     Entry,
@@ -78,7 +80,7 @@ def syncfs(path: str) -> None:
         os.close(fd)
 
 
-class DiskTier(Checks, FileStore):
+class DiskTier(FromTable, Checks, FileStore):
     name = "disk"
 
     def __init__(self, directory: str, capacity: int, stats: Stats | None = None,
@@ -103,12 +105,16 @@ class DiskTier(Checks, FileStore):
         self._entries_high = 0
         self._free_estimate = 0
         self._stop = threading.Event()
+        self._restored: Restored | None = None  # entries restored from the table, not in memory yet
+        self._restored_at = 0.0
+        self._table_id = 0           # the entry table the index names (0: none)
+        self._table_bytes = 0
         s = self._stats
         s.gauge("disk.suspended", lambda: int(self.suspended))
         s.gauge("disk.used_bytes", self._volume)
         s.gauge("disk.capacity_bytes", lambda: self._capacity)
         s.gauge("disk.entries", lambda: len(self.policy))
-        s.gauge("disk.files", lambda: len(self._entries))
+        s.gauge("disk.files", self._files_held)
         self.policy.capacity = 1 << 62  # restored as found; _refresh_limits trims
         self._load()
         self._refresh_limits(force=True)
@@ -123,13 +129,16 @@ class DiskTier(Checks, FileStore):
 
     def _volume(self) -> int:
         """Everything the tier occupies: block files in 4 KiB blocks (as the policy counts
-        them), the directories, and the index."""
-        return self.policy.used + self._dir_bytes() + self._log_bytes
+        them), the directories, the index and the entry table."""
+        return self.policy.used + self._dir_bytes() + self._log_bytes + self._table_bytes
+
+    def _files_held(self) -> int:
+        return len(self._entries) + (self._restored.files if self._restored is not None else 0)
 
     def _dir_bytes(self) -> int:
         """The tier's directories (data/ and the subdirectories made so far), which never
         shrink: counted at their high-water mark."""
-        self._entries_high = max(self._entries_high, len(self._entries))
+        self._entries_high = max(self._entries_high, self._files_held())
         return DIR_BYTES * (2 + len(self._made_dirs)) + DIR_ENTRY_BYTES * self._entries_high
 
     def _index_reserve(self) -> int:
@@ -276,7 +285,13 @@ class DiskTier(Checks, FileStore):
         line = index.block_line(e.name, index_, h)
         if new:
             line = index.entry_line(e.name, e.block_size, e.stored_at, e.attr, e.path) + line
-            self._paths[e.path] = bytes.fromhex(e.name)
+            eid = bytes.fromhex(e.name)
+            self._paths[e.path] = eid
+            r = self._restored
+            if r is not None and r.files:
+                n = r.table.find_path(e.path)
+                if n is not None and r.table.eid_of(n) != eid:
+                    r.unpathed.add(n)  # a newer version of the path: the table's is not its newest
         self._append(line)
 
     def _dropping(self, e: Entry, index_: int) -> None:
@@ -305,6 +320,14 @@ class DiskTier(Checks, FileStore):
                         continue
                     line = index.block_line(e.name, i, h)
                     (unchecked if type(u) is set and i in u else group).append(line)
+            r = self._restored
+            for _, row, trusted in r.rows() if r is not None else ():
+                name = row.eid.hex()
+                group = synced.setdefault(row.synced_ns, []) if row.synced_ns and not trusted else lines
+                group.append(index.entry_line(name, row.block_size, row.stored_at, row.attr, row.path))
+                for i, h in enumerate(row.hashes):
+                    if h is not None:
+                        (unchecked if not (row.synced_ns or trusted) else group).append(index.block_line(name, i, h))
         out: list[bytes] = []
         for at_ns in sorted(synced):
             out += synced[at_ns]
@@ -318,18 +341,9 @@ class DiskTier(Checks, FileStore):
         """Rewrite the index as what is held now (new file, fsync, rename). Locks in the
         order every writer takes them: the tier's, then the index's."""
         with self._lock, self._log_lock:
-            tmp = self._index + ".new"
             try:
                 data = self._snapshot(clean)
-                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-                try:
-                    view = memoryview(data)
-                    while view:
-                        view = view[os.write(fd, view):]
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-                os.replace(tmp, self._index)
+                replace_durably(self._index, data)
                 fd = os.open(self._index, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
             except OSError as exc:
                 self._io_failed("index compaction", exc)
@@ -339,6 +353,7 @@ class DiskTier(Checks, FileStore):
             self._log_fd = fd
             self._unwritten = bytearray()  # the snapshot holds what they said
             self._log_bytes = self._live_bytes = len(data)
+            self._drop_tables()  # the index no longer names one (a restored set reads on from its mapping)
 
     # Long (98 lines) for a reason: one pass replays the index log in order; split, its
     # state (entries, blocks seen, damage) would travel between the pieces.
@@ -364,8 +379,11 @@ class DiskTier(Checks, FileStore):
             except OSError:
                 pass
             records = []
-        clean = bool(records) and isinstance(records[-1], index.CleanRecord)
         entries: dict[bytes, Entry] = {}
+        done, damaged = self._start_from_table(records, entries, damaged)
+        if done:
+            return
+        clean = bool(records) and isinstance(records[-1], index.CleanRecord)
         since_clean: list[BlockKey] = []  # blocks recorded since the last clean stop's mark
         marks = 0                         # C lines: not entries, not blocks (see the end)
         for r in records:
@@ -479,15 +497,25 @@ class DiskTier(Checks, FileStore):
 
     def attr_of(self, path: str) -> tuple[Attr, float] | None:
         """(attributes, wall time they were last known good) of the newest cached version
-        of `path`."""
+        of `path`. A restored entry is answered from its record, left out of memory."""
         eid = self._paths.get(path)
-        e = self._entries.get(eid) if eid is not None else None
+        if eid is None:
+            row = self._restored_row(path)
+            return None if row is None else (row[1].attr, row[1].stored_at)
+        e = self._entries.get(eid)
         return None if e is None else (e.attr, e.stored_at)
 
     def confirm(self, path: str) -> None:
         """The source still has the newest cached version of `path`: its attributes are good
         as of now (kept in the index at the next compaction or clean stop)."""
         eid = self._paths.get(path)
+        if eid is None:
+            found = self._restored_row(path)
+            if found is None:
+                return
+            with self._lock:
+                self._restored.take(found[0])  # type: ignore[union-attr]  # (found: it is set)
+            eid = self._paths.get(path)
         e = self._entries.get(eid) if eid is not None else None
         if e is not None:
             e.stored_at = time.time()
@@ -504,7 +532,7 @@ class DiskTier(Checks, FileStore):
         if self._log_fd >= 0 and not self.suspended and os.path.exists(self._index):
             try:
                 syncfs(self._dir)
-                self._compact(clean=True)
+                self._write_table()
             except OSError as exc:
                 log.warning("NVMe tier: could not record a clean stop (%s); its blocks will be checked "
                             "at the next start", exc)

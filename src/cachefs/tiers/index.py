@@ -5,6 +5,7 @@
     B <entry> <index> <xxh3_64 of the block> <crc>
     D <entry> <index, or -1 for the whole entry> <crc>
     C <wall time> <crc>
+    T <table id> <crc>
 
 Fields are separated by one tab. <entry> is the 32-hex-digit entry id (the xxh3_128 of the
 file version's key, which is also its file name under data/), <stored at> and <wall time>
@@ -24,6 +25,12 @@ its hash once before it is first served: a crash can leave a file empty on ext4,
 file can be changed behind the daemon's back between two runs. A rewritten (compacted)
 index repeats an earlier stop's C line after the entries not checked since, so that they
 stay measured against the stop that wrote them back.
+
+T, only ever the first line, names the entry table (cachefs/tiers/table.py) a clean stop
+wrote, `entries-<table id>.v1` beside the index, in 16 hex digits: the state is that table,
+then the lines after it. A clean stop writes the table and a log of that one line; an
+index without a T line (an older version's, or one compacted during a run) is the whole
+state by itself.
 
 `tests/test_index.py` pins these bytes; change the layout only with a new file name.
 """
@@ -63,7 +70,11 @@ class CleanRecord(NamedTuple):
     at: float
 
 
-Record = EntryRecord | BlockRecord | DropRecord | CleanRecord
+class TableRecord(NamedTuple):
+    table: int
+
+
+Record = EntryRecord | BlockRecord | DropRecord | CleanRecord | TableRecord
 
 
 def _line(fields: list[str]) -> bytes:
@@ -88,6 +99,14 @@ def clean_line(at: float) -> bytes:
     return _line(["C", f"{at:.3f}"])
 
 
+def table_line(table_id: int) -> bytes:
+    return _line(["T", f"{table_id:016x}"])
+
+
+def table_name(table_id: int) -> str:
+    return f"entries-{table_id:016x}.v1"
+
+
 def parse(line: bytes) -> Record | None:
     """One line as a record; None if it is damaged (bad CRC, bad fields)."""
     try:
@@ -106,6 +125,8 @@ def parse(line: bytes) -> Record | None:
             return DropRecord(f[1], int(f[2]))
         if kind == "C" and len(f) == 2:
             return CleanRecord(float(f[1]))
+        if kind == "T" and len(f) == 2 and len(f[1]) == 16:
+            return TableRecord(int(f[1], 16))
     except (ValueError, UnicodeDecodeError):
         return None
     return None

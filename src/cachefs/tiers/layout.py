@@ -41,6 +41,19 @@ def write_all(fd: int, data: bytes | memoryview, offset: int = 0) -> None:
         view, offset = view[n:], offset + n
 
 
+def replace_durably(path: str, data: bytes) -> None:
+    """Put `data` at `path` whole or not at all: a temporary file beside it, fsync'd, then
+    renamed over (a file renamed without fsync can come back empty after a crash)."""
+    tmp = path + ".new"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
 def block_hash(data: bytes | memoryview) -> int:
     """The checksum the index records for a block: its xxh3 (64 bits)."""
     return xxhash.xxh3_64_intdigest(data)

@@ -168,10 +168,18 @@ class FileStore:
         return len(self.policy)
 
     def entry(self, eid: bytes) -> Entry | None:
+        return self._entry(eid)
+
+    def _entry(self, eid: bytes) -> Entry | None:
+        """The entry `eid` in memory (the NVMe tier brings one it restored at its start in)."""
         return self._entries.get(eid)
 
+    def _cold_blocks(self) -> list[BlockKey]:
+        """Blocks held but not in memory (the NVMe tier's restored entries)."""
+        return []
+
     def info_of(self, eid: bytes) -> EntryInfo | None:
-        e = self._entries.get(eid)
+        e = self._entry(eid)
         return None if e is None else EntryInfo(e.path, e.attr, e.block_size)
 
     def get(self, key: BlockKey, lo: int = 0, hi: int | None = None, info: EntryInfo | None = None) -> bytes | None:
@@ -197,7 +205,7 @@ class FileStore:
         finds the pages there)."""
         eid, index = key
         with self._lock:
-            e = self._entries.get(eid)
+            e = self._entry(eid)
             if e is None or index >= len(e.hashes) or e.hashes[index] is None or not self._usable():
                 return None
             expected = e.hashes[index]
@@ -297,7 +305,7 @@ class FileStore:
         eid, index = key
         size = allocated(len(data))
         with self._lock:
-            e = self._entries.get(eid)
+            e = self._entry(eid)
             if e is not None and e.hashes[index] is not None:
                 return True
             self._before_admit(size)
@@ -381,7 +389,7 @@ class FileStore:
                 if reserved:
                     self.unreserve(reserved)
                     reserved = 0
-                if eid in self._entries:
+                if self._entry(eid) is not None:
                     return "held"
                 self._before_admit(asize)
                 victims = self.policy.admit(key, asize, evict)
@@ -443,7 +451,7 @@ class FileStore:
     def _drop_block(self, key: BlockKey) -> None:
         eid, index = key
         with self._lock:
-            e = self._entries.get(eid)
+            e = self._entry(eid)
             if e is None or e.hashes[index] is None:
                 return
             e.hashes[index] = None
@@ -501,7 +509,7 @@ class FileStore:
         start): what the kernel may read directly. None otherwise. With `acquire`, held
         for the kernel until release(), in the same step."""
         with self._lock:
-            e = self._entries.get(eid)
+            e = self._entry(eid)
             if e is None or not e.complete or not self._usable():
                 return None
             if not e.unverified:
@@ -515,7 +523,7 @@ class FileStore:
         if not acquire:
             return self.file_of(e.name)
         with self._lock:
-            e = self._entries.get(eid)
+            e = self._entry(eid)
             return None if e is None or not e.complete else self._acquired(eid, e)
 
     def hit_whole(self, eid: bytes) -> bool:
@@ -523,14 +531,14 @@ class FileStore:
         through): its blocks count as hits of the policy, as an open acquired here would;
         False if the entry is not here whole."""
         with self._lock:
-            e = self._entries.get(eid)
+            e = self._entry(eid)
             if e is None or not e.complete or not self._usable():
                 return False
             self._hit_blocks(eid, e)
             return True
 
     def needs_check(self, eid: bytes) -> bool:
-        e = self._entries.get(eid)
+        e = self._entry(eid)
         return e is not None and bool(e.unverified)
 
     def _acquired(self, eid: bytes, e: Entry) -> str:
@@ -545,7 +553,7 @@ class FileStore:
     def acquire(self, eid: bytes) -> bool:
         """The kernel opened the entry's file for passthrough: it is not punched until released."""
         with self._lock:
-            e = self._entries.get(eid)
+            e = self._entry(eid)
             if e is None:
                 return False
             e.users += 1
@@ -556,7 +564,7 @@ class FileStore:
 
     def release(self, eid: bytes) -> None:
         with self._lock:
-            e = self._entries.get(eid)
+            e = self._entry(eid)
             if e is not None and e.users > 0:
                 e.users -= 1
 
@@ -567,6 +575,9 @@ class FileStore:
         with self._lock:
             self.policy.check()
             held = {(eid, i) for eid, e in self._entries.items() for i, h in enumerate(e.hashes) if h is not None}
+            cold = self._cold_blocks()
+            assert not held.intersection(cold) and len(set(cold)) == len(cold), "a block both cold and in memory"
+            held.update(cold)
             assert held == set(self.policy.keys()), "tier and policy disagree"
             for e in self._entries.values():
                 assert e.present == sum(h is not None for h in e.hashes), "present count drifted"

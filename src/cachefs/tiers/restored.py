@@ -1,0 +1,352 @@
+"""The entries a start of the NVMe tier found in its entry table (cachefs/tiers/table.py)
+and has not brought into memory: a mount after a clean stop maps the table and reads
+nothing else, and an entry becomes a Python object only when something touches it (a
+read, an open, a lookup of its path, the restart check finding it changed, the policy
+taking it as a victim).
+
+What is kept per record is one byte of state, so that 1.28 million restored files cost
+1.28 MB until they are read.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Callable, Hashable, Iterator
+from typing import TYPE_CHECKING, cast
+
+from cachefs.config import format_size
+from cachefs.identity import BlockKey
+from cachefs.policy import Policy
+from cachefs.tiers import index, table
+from cachefs.tiers.checks import Synced
+from cachefs.tiers.layout import replace_durably
+from cachefs.tiers.store import Entry
+from cachefs.tiers.table import Row, Table, block_bytes
+
+log = logging.getLogger(__name__)
+
+COLD = 0      # in the table only
+TRUSTED = 1   # in the table only, and the restart check found its file as the clean stop left it
+WARM = 2      # brought into memory (or dropped since: the tier's entries say)
+GONE = 3      # its record failed its CRC, or its path was superseded and it was dropped
+
+
+class Restored:
+    """The cold set of a DiskTier's policy (cachefs.policy.Cold). `bring(n, row, trusted)`
+    is the tier's: make record n's entry (the row read and checked) and hand its blocks to
+    `Policy.restore`. Called with the tier's lock held, as the policy is."""
+
+    def __init__(self, table: Table, bring: Callable[[int, Row, bool], None], lost: Callable[[bytes], None],
+                 lock: threading.RLock):
+        self.table = table
+        self.state = bytearray(table.count)
+        self.count = table.blocks   # blocks held cold
+        self.used = table.used      # their bytes, as the policy counts them
+        self.files = table.count    # records still cold
+        self._bring = bring
+        self._lost = lost  # told the id of a record that failed its CRC (as far as it reads)
+        self._lock = lock  # the tier's: a policy query can come without it (probably_has)
+        self._first = 0             # no record before it is cold
+        self.unpathed: set[int] = set()  # records whose path has a newer entry since the start
+
+    def warm(self, key: Hashable) -> bool:
+        """Bring the entry of `key` (an (entry id, block) pair) into memory if it is cold;
+        whether that block is held."""
+        if not self.files:
+            return False
+        eid, block = cast(BlockKey, key)
+        n = self.table.find(eid)
+        if n is None or self.state[n] >= WARM:
+            return False
+        with self._lock:
+            row = self.take(n)
+        return row is not None and 0 <= block < len(row.hashes) and row.hashes[block] is not None
+
+    def take(self, n: int) -> Row | None:
+        """Bring record n into memory (the tier's entry and the policy's keys); None if it
+        was not cold, or fails its CRC (then it is counted as held until the next clean
+        stop writes a table without it: the budget errs on the safe side)."""
+        state = self.state[n]
+        if state >= WARM:
+            return None
+        row = self.table.row(n)
+        if row is None:
+            self._gone(n)
+            return None
+        self.state[n] = WARM
+        self.files -= 1
+        held = block_bytes(row)
+        self.count -= len(held)
+        self.used -= sum(size for _, size in held)
+        self._bring(n, row, state == TRUSTED)
+        return row
+
+    def _gone(self, n: int) -> None:
+        self.state[n] = GONE
+        self.files -= 1
+        self._lost(self.table.eid_of(n))
+
+    def cold(self, n: int) -> bool:
+        return self.state[n] < WARM
+
+    def trust(self, n: int) -> None:
+        if self.state[n] == COLD:
+            self.state[n] = TRUSTED
+
+    def oldest(self) -> Iterator[tuple[Hashable, int]]:
+        """The cold blocks in restore order (oldest `stored at` first), with their sizes.
+        Records that leave the cold set meanwhile are skipped."""
+        n = self._first
+        while n < self.table.count:
+            if self.state[n] >= WARM:
+                if n == self._first:
+                    self._first += 1
+                n += 1
+                continue
+            row = self.table.row(n)
+            if row is None:
+                self._gone(n)
+                n += 1
+                continue
+            for block, size in block_bytes(row):
+                if self.state[n] >= WARM:
+                    break
+                yield (row.eid, block), size
+            n += 1
+
+    def rows(self) -> Iterator[tuple[int, Row, bool]]:
+        """(record number, row, trusted by the restart check) of every record still cold,
+        in restore order."""
+        for n in range(self._first, self.table.count):
+            if self.state[n] < WARM:
+                row = self.table.row(n)
+                if row is not None:
+                    yield n, row, self.state[n] == TRUSTED
+
+
+class FromTable:
+    """DiskTier's side of the table: writing it at a clean stop, a start from it, and
+    bringing its entries into memory as they are touched."""
+
+    if TYPE_CHECKING:  # what it uses of DiskTier
+        _dir: str
+        _data: str
+        _index: str
+        _lock: threading.RLock
+        _log_lock: threading.Lock
+        _entries: dict[bytes, Entry]
+        _paths: dict[str, bytes]
+        _made_dirs: set[str]
+        _restored: Restored | None
+        _restored_at: float
+        _table_id: int
+        _table_bytes: int
+        _unwritten: bytearray
+        _log_bytes: int
+        _live_bytes: int
+        _log_fd: int
+        policy: Policy
+
+        def file_of(self, name: str) -> str: ...
+
+        def _io_failed(self, what: str, exc: BaseException) -> None: ...
+
+        def _open_log(self) -> None: ...
+
+        def _files(self) -> dict[str, str]: ...
+
+    def _table_path(self, table_id: int) -> str:
+        return os.path.join(self._dir, index.table_name(table_id))
+
+    def _drop_tables(self, keep: int = 0) -> None:
+        """Delete the entry tables the index does not name (`keep`), and leftovers."""
+        self._table_id = keep
+        if not keep and self._restored is None:
+            self._table_bytes = 0  # (a restored set's mapping holds its table's blocks until the end)
+        try:
+            names = [n for n in os.listdir(self._dir) if n.startswith("entries-")]
+        except OSError:
+            return
+        for name in names:
+            if not keep or name != index.table_name(keep):
+                try:
+                    os.unlink(os.path.join(self._dir, name))
+                except OSError:
+                    pass
+
+    def _write_table(self) -> None:
+        """A clean stop (after syncfs): everything held as a new entry table, then an index
+        of one line naming it (each fsync'd, then renamed over). The next start maps it and
+        reads nothing else. An entry still vouched for by an earlier stop keeps that stop's
+        time; one checked or written since this start is vouched for by this stop; one with
+        blocks still to check is read at the next start."""
+        with self._lock, self._log_lock:
+            stop_ns = time.time_ns()
+            rows = []
+            for eid, e in self._entries.items():
+                u = e.unverified
+                synced = u.at_ns if type(u) is Synced else 0 if u else stop_ns
+                rows.append(Row(eid, e.path, e.attr, e.block_size, e.stored_at, synced, list(e.hashes)))
+            r = self._restored
+            for _, row, trusted in r.rows() if r is not None else ():
+                rows.append(row._replace(synced_ns=stop_ns) if trusted else row)
+            rows.sort(key=lambda row: row.stored_at)
+            table_id = random.getrandbits(63) + 1
+            line = index.table_line(table_id)
+            try:
+                size = table.write(self._table_path(table_id), rows, stop_ns, table_id)
+                replace_durably(self._index, line)
+            except OSError as exc:
+                self._io_failed("entry table", exc)
+                self._drop_tables(self._table_id)
+                return
+            self._drop_tables(table_id)
+            self._table_bytes = size
+            self._unwritten = bytearray()
+            self._log_bytes = self._live_bytes = len(line)
+            if self._log_fd >= 0:  # the stop is recorded: nothing appends after it
+                os.close(self._log_fd)
+                self._log_fd = -1
+
+    def _start_from_table(self, records: list, entries: dict[bytes, Entry], damaged: int) -> tuple[bool, int]:
+        """The part of a start the entry table plays, if the index's first line names one
+        (taken off `records`): with nothing after it (a clean stop) the tier starts from the
+        table as it is, and (True, damaged) says the start is done; otherwise its rows go
+        into `entries`, for the lines after it to be replayed on. (False, damaged lines and
+        records so far) then."""
+        if not records or not isinstance(records[0], index.TableRecord):
+            self._drop_tables()
+            return False, damaged
+        found = self._open_table(records.pop(0).table)
+        if found is None:
+            return False, damaged + 1
+        if not records and not damaged:
+            self._restore(found)  # a clean stop, nothing since: map the table, read nothing else
+            return True, damaged
+        for n in range(found.count):  # the table, then what the log says happened after it
+            row = found.row(n)
+            if row is not None:
+                entries[row.eid] = self._entry_of(row)
+            else:
+                damaged += 1
+        return False, damaged
+
+    def _open_table(self, table_id: int) -> Table | None:
+        """The entry table the index names, or None (logged) if it cannot be read."""
+        self._drop_tables(table_id)
+        try:
+            found = Table(self._table_path(table_id), table_id)
+        except (OSError, ValueError) as exc:
+            log.warning("the NVMe tier's entry table could not be read (%s); the files it described will "
+                        "be fetched again", exc)
+            return None
+        self._table_bytes = found.size
+        return found
+
+    def _restore(self, found: Table) -> None:
+        """Start from a clean stop's table without reading it: its entries stay in the
+        mapping until touched (cachefs/tiers/restored.py), held by the policy meanwhile."""
+        self._restored = Restored(found, self._bring, self._lost, self._lock)
+        self._restored_at = time.time()
+        self.policy.attach_cold(self._restored)
+        try:
+            self._made_dirs.update(d.path for d in os.scandir(self._data) if d.is_dir(follow_symlinks=False))
+        except OSError:
+            pass
+        self._open_log()
+        self._live_bytes += 250 * found.count  # what the table would take as index lines
+        log.info("NVMe tier: %d files, %d blocks, %s, restored from the clean stop's entry table; each "
+                 "file's is checked at a stat before it is served", found.count, found.blocks,
+                 format_size(found.used))
+
+    def _restored_row(self, path: str) -> tuple[int, Row] | None:
+        """(record number, row) of the newest version of `path` if it is restored and cold."""
+        r = self._restored
+        if r is None or not r.files:
+            return None
+        n = r.table.find_path(path)
+        if n is None or n in r.unpathed or not r.cold(n):
+            return None
+        row = r.table.row(n)
+        return None if row is None else (n, row)
+
+    # -- entries restored from the table ------------------------------------------------------
+
+    def _entry(self, eid: bytes) -> Entry | None:
+        e = self._entries.get(eid)
+        r = self._restored
+        if e is None and r is not None and r.files:
+            with self._lock:
+                e = self._entries.get(eid)
+                if e is None:
+                    n = r.table.find(eid)
+                    if n is not None and r.cold(n):
+                        r.take(n)
+                        e = self._entries.get(eid)
+        return e
+
+    def _bring(self, n: int, row: Row, trusted: bool) -> None:
+        """Record n of the table into memory: its entry, and its blocks to the policy, as
+        the oldest (Restored.take; the tier's lock held)."""
+        e = self._entry_of(row, trusted)
+        self._entries[row.eid] = e
+        r = self._restored
+        if row.path not in self._paths and r is not None and n not in r.unpathed \
+                and r.table.find_path(row.path) == n:
+            self._paths[row.path] = row.eid
+        self.policy.restore([((row.eid, i), size) for i, size in block_bytes(row)])
+
+    def _lost(self, eid: bytes) -> None:
+        """A restored record failed its CRC: its file goes (fetched again when read)."""
+        if eid not in self._entries:
+            try:
+                os.unlink(self.file_of(eid.hex()))
+            except OSError:
+                pass
+
+    def _sweep_orphans(self) -> int:
+        """After a start from the table (which lists nothing): delete the files older than
+        the start that no entry describes (written by someone else into the cache dir, or
+        by a run that stopped between a file and its record). In the background, once;
+        the number deleted."""
+        r = self._restored
+        if r is None:
+            return 0
+        gone = 0
+        for name, path in self._files().items():
+            eid = bytes.fromhex(name)
+            if eid in self._entries:
+                continue
+            n = r.table.find(eid)
+            if n is not None and r.cold(n):
+                continue
+            try:
+                if os.stat(path).st_mtime >= self._restored_at - 2:
+                    continue  # written since the start (a fetch process's file before it is adopted)
+                with self._lock:
+                    if self._entries.get(eid) is None:
+                        os.unlink(path)
+                        gone += 1
+            except OSError:
+                continue
+        if gone:
+            log.info("NVMe tier: deleted %d files no entry described", gone)
+        return gone
+
+    @staticmethod
+    def _entry_of(row: Row, trusted: bool = False) -> Entry:
+        e = Entry(row.eid.hex(), row.path, row.attr, row.block_size, row.stored_at)
+        e.hashes = list(row.hashes)
+        held = [i for i, h in enumerate(e.hashes) if h is not None]
+        e.present = len(held)
+        e.unverified = None if trusted else Synced(row.synced_ns, held) if row.synced_ns else set(held)
+        return e
+
+    def _cold_blocks(self) -> list[BlockKey]:
+        r = self._restored
+        return [] if r is None else [key for key, _ in r.oldest()]  # type: ignore[misc]
+

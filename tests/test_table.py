@@ -1,0 +1,209 @@
+"""The NVMe tier's entry table (cachefs/tiers/table.py) and a start from it
+(cachefs/tiers/restored.py): the format, pinned; a clean stop's table mapped at the next
+start with nothing read into memory; entries brought in one at a time as they are touched;
+and every way back to a full replay (a crash after such a start, a damaged record, a table
+the index does not name)."""
+
+import os
+import stat
+import zlib
+
+import pytest
+
+from cachefs.identity import Attr, EntryInfo
+from cachefs.stats import Stats
+from cachefs.tiers import index, table
+from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.table import Row, Table
+
+from .test_tiers import check, eid, kill, put
+
+ATTR = Attr(stat.S_IFREG | 0o644, 1, 1000, 1000, 110_000, 1, 2_000_000_000, 3, 216, 0, 42)
+BS = 64 << 10
+
+
+def row(n: int, path: str, size: int = 110_000, hashes=None, stored_at: float = 0.0, synced: int = 7) -> Row:
+    attr = ATTR._replace(size=size)
+    nblocks = max(1, -(-size // BS))
+    return Row(eid(n), path, attr, BS, stored_at or float(n), synced,
+               hashes if hashes is not None else [n * 1000 + i for i in range(nblocks)])
+
+
+def test_the_layout_is_pinned(tmp_path):
+    assert table.HEADER.size == 64 and table.RECORD.size == 160 and table.MAGIC == b"cachefT1"
+    assert index.table_name(0xABC) == "entries-0000000000000abc.v1"
+    assert index.table_line(0xABC) == b"T\t0000000000000abc\t307a9472\n"
+    assert index.parse(index.table_line(5)) == index.TableRecord(5)
+    path = str(tmp_path / "t")
+    table.write(path, [row(1, "/a/b.jpg", 5000), row(2, "/big", 3 * BS, [11, None, 13])], 123, 0xABC)
+    data = open(path, "rb").read()
+    assert len(data) == 64 + 2 * 160 + 8 * 8 + len(b"/a/b.jpg/big") + 3 * 8 + 1
+    assert zlib.crc32(data) == 0x9D73C68A
+
+
+def test_rows_round_trip_and_are_found_by_id_and_by_path(tmp_path):
+    rows = [row(1, "/d/f\n1", 5000), row(2, "/caf\udce9", 0), row(3, "/" + "x" * 254),
+            row(4, "/big", 5 * BS + 7, [1, None, 0, None, 2**64 - 1, 9]), row(5, "/d/f\n1", 6000, stored_at=99.0)]
+    path = str(tmp_path / "t")
+    table.write(path, rows, 123, 77)
+    t = Table(path, 77)
+    assert (t.count, t.stop_ns, t.table_id) == (5, 123, 77)
+    assert t.blocks == 1 + 1 + 2 + 4 + 1                          # a hash of 0 is a block held
+    assert t.used == 8192 + 0 + 110_592 + 3 * BS + 4096 + 8192     # the policy's 4 KiB blocks
+    for n, r in enumerate(rows):
+        assert t.row(n) == r and t.find(r.eid) == n
+    assert t.find_path("/d/f\n1") == 4                             # the newest version of a path
+    assert t.find_path("/caf\udce9") == 1 and t.find(eid(9)) is None and t.find_path("/nope") is None
+
+
+def test_a_damaged_record_is_not_there_and_a_damaged_header_is_no_table(tmp_path):
+    path = str(tmp_path / "t")
+    table.write(path, [row(1, "/a"), row(2, "/b")], 1, 5)
+    with open(path, "r+b") as f:
+        f.seek(64 + 160 + 100)                                     # record 1's attributes
+        f.write(b"\xff")
+    t = Table(path, 5)
+    assert t.row(0) == row(1, "/a") and t.row(1) is None and t.find(eid(2)) == 1
+    with pytest.raises(ValueError):
+        Table(path, 6)                                             # not the table the index names
+    with open(path, "r+b") as f:
+        f.seek(10)
+        f.write(b"\xff")
+    with pytest.raises(ValueError):
+        Table(path, 5)
+
+
+@pytest.fixture
+def disk(tmp_path):
+    tiers = []
+
+    def make(capacity=8 << 20, stats=None, **kw):
+        t = DiskTier(str(tmp_path / "store"), capacity, stats or Stats(), scrub=False, **kw)
+        tiers.append(t)
+        return t
+
+    yield make
+    for t in tiers:
+        t.close()
+
+
+def tables(t) -> list[str]:
+    return sorted(n for n in os.listdir(t.directory) if n.startswith("entries-"))
+
+
+def test_a_start_after_a_clean_stop_reads_nothing_into_memory(disk):
+    t = disk()
+    data = {n: os.urandom(20_000 + n) for n in range(30)}
+    for n, d in data.items():
+        put(t, n, d)
+    used, held = t.used_bytes, len(t)
+    t.close()
+    assert open(os.path.join(t.directory, index.NAME), "rb").read().startswith(b"T\t") and len(tables(t)) == 1
+    t2 = disk()
+    assert t2._entries == {} and t2.used_bytes == used and len(t2) == held
+    assert t2.attr_of("/f3")[0].size == 20_003 and t2._entries == {}   # a lookup leaves it in the table
+    assert t2.get((eid(3), 0)) == data[3] and list(t2._entries) == [eid(3)]  # a read brings one in
+    assert t2.backing_file(eid(4)) is not None and len(t2._entries) == 2
+    check(t2)
+    assert all(t2.get((eid(n), 0)) == d for n, d in data.items())
+    check(t2)
+
+
+def test_victims_are_taken_from_the_table_oldest_first(disk):
+    t = disk(capacity=4 << 20)
+    for n in range(40):
+        put(t, n, os.urandom(50_000))
+    t.close()
+    t2 = disk(capacity=2 << 20)                                        # a smaller budget: trimmed at start
+    assert t2._entries == {}                                           # none stayed in memory
+    kept = [n for n in range(40) if (eid(n), 0) in t2]
+    assert kept and kept == list(range(40 - len(kept), 40))            # the oldest went
+    assert not os.path.exists(t2.file_of(eid(0).hex()))
+    check(t2)
+    assert t2._volume() <= 2 << 20
+
+
+def test_a_crash_after_a_start_from_the_table_keeps_what_happened_since(disk):
+    t = disk()
+    for n in range(10):
+        put(t, n, bytes([n]) * 5000)
+    t.close()
+    t2 = disk()
+    put(t2, 20, b"new" * 1000)
+    t2.discard((eid(3), 0))                                            # a restored entry dropped
+    kill(t2)
+    t3 = disk()                                                        # the table, then the log's lines
+    assert t3.get((eid(3), 0)) is None and t3.get((eid(20), 0)) == b"new" * 1000
+    assert all(t3.get((eid(n), 0)) == bytes([n]) * 5000 for n in range(10) if n != 3)
+    assert tables(t3) == []                                            # compacted: the index is whole again
+    check(t3)
+    t3.close()
+    t4 = disk()
+    assert t4.get((eid(20), 0)) == b"new" * 1000 and t4.get((eid(3), 0)) is None
+
+
+def test_a_compaction_during_a_run_keeps_the_entries_still_in_the_table(disk):
+    t = disk()
+    for n in range(10):
+        put(t, n, bytes([n]) * 5000)
+    t.close()
+    t2 = disk()
+    assert t2.get((eid(1), 0)) == b"\x01" * 5000
+    t2._compact()                                                      # as when the log outgrows its live part
+    assert tables(t2) == [] and len(t2._entries) == 1
+    assert t2.get((eid(2), 0)) == b"\x02" * 5000                       # still read from the mapping
+    kill(t2)
+    t3 = disk()
+    assert all(t3.get((eid(n), 0)) == bytes([n]) * 5000 for n in range(10))
+    check(t3)
+
+
+def test_a_damaged_record_costs_its_file_only(disk):
+    t = disk()
+    for n in range(5):
+        put(t, n, bytes([n]) * 5000)
+    t.close()
+    found = Table(os.path.join(t.directory, tables(t)[0]))
+    n = found.find(eid(2))
+    with open(os.path.join(t.directory, tables(t)[0]), "r+b") as f:
+        f.seek(64 + 160 * n + 120)
+        f.write(b"\x55\x55")
+    t2 = disk()
+    assert t2.get((eid(2), 0)) is None and not os.path.exists(t2.file_of(eid(2).hex()))
+    assert all(t2.get((eid(k), 0)) == bytes([k]) * 5000 for k in (0, 1, 3, 4))
+    assert put(t2, 2, b"\x02" * 5000) and t2.get((eid(2), 0)) == b"\x02" * 5000
+
+
+def test_a_newer_version_of_a_path_hides_the_tables(disk):
+    t = disk()
+    put(t, 1, b"old" * 1000)
+    t.close()
+    t2 = disk()
+    newer = EntryInfo("/f1", ATTR._replace(size=4000, mtime_ns=5), BS)
+    assert t2.put((eid(99), 0), b"n" * 4000, newer)
+    assert t2.attr_of("/f1")[0].size == 4000
+    t2.discard((eid(99), 0))
+    assert t2.attr_of("/f1") is None                                   # not the older version's attributes
+    check(t2)
+
+
+def test_a_table_the_index_does_not_name_is_deleted(disk):
+    t = disk()
+    put(t, 1, b"x" * 5000)
+    kill(t)                                                            # a log, no table
+    stray = os.path.join(t.directory, index.table_name(12345))
+    table.write(stray, [row(7, "/ghost")], 1, 12345)                   # a stop that died before the index's rename
+    t2 = disk()
+    assert tables(t2) == [] and t2.get((eid(1), 0)) == b"x" * 5000 and t2.entry(eid(7)) is None
+
+
+def test_an_unreadable_table_costs_its_files_not_the_mount(disk, caplog):
+    t = disk()
+    put(t, 1, b"x" * 5000)
+    t.close()
+    with open(os.path.join(t.directory, tables(t)[0]), "r+b") as f:
+        f.write(b"garbage!")
+    t2 = disk()
+    assert "entry table could not be read" in caplog.text
+    assert t2.get((eid(1), 0)) is None and not os.path.exists(t2.file_of(eid(1).hex()))
+    assert put(t2, 2, b"y" * 5000) and t2.get((eid(2), 0)) == b"y" * 5000
