@@ -28,3 +28,35 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):
         pass
+
+
+def _state(stat: bytes) -> bytes:
+    """The state letter of a /proc/<pid>/stat line."""
+    end = stat.rfind(b")")
+    return stat[end + 2:end + 3]
+
+
+def parent_stopped(pid: int, stat: bytes) -> bool:
+    """Whether process `pid` (`stat`: its /proc/<pid>/stat, just read) is stopped: T, or t
+    under a debugger. A stop that reached another thread first counts: the main thread
+    shows T only once it runs again, which under load or after a long disk wait takes long
+    enough for a serving process to read a request and forward it into the stop, where its
+    caller could no longer be killed. An asleep main thread is not on its way to a stop (a
+    stop wakes it first)."""
+    state = _state(stat)
+    if state in (b"T", b"t"):
+        return True
+    if state == b"S":
+        return False
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                if _state(f.read(1024)) in (b"T", b"t"):
+                    return True
+        except OSError:
+            continue
+    return False

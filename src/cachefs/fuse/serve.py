@@ -54,7 +54,7 @@ from array import array
 import xxhash
 
 from cachefs.fuse import protocol as p
-from cachefs.fuse.children import die_with_parent
+from cachefs.fuse.children import die_with_parent, parent_stopped
 
 OWN_FH = 1 << 63          # the handle of an open of a published node: its release may be answered anywhere
 REPORT = 1 << 31          # in a forwarded message's index: a serving process's report, not a request
@@ -539,29 +539,7 @@ class Server:
             data = os.pread(self._stat_fd, 1024, 0)
         except OSError:
             return False  # gone: the kernel ends the connection, and this process with it
-        end = data.rfind(b")")
-        state = data[end + 2:end + 3]
-        if state in (b"T", b"t"):
-            return True
-        if state == b"S":  # asleep, so not on its way to a stop (a stop wakes it first)
-            return False
-        # Running or in a disk wait: a stop may have reached other threads first (the main
-        # thread shows T only once it runs again, which under load or in a long D wait
-        # takes long enough for a request to be read and forwarded into the stop).
-        try:
-            tasks = os.listdir(f"/proc/{self.main_pid}/task")
-        except OSError:
-            return False
-        for tid in tasks:
-            try:
-                with open(f"/proc/{self.main_pid}/task/{tid}/stat", "rb") as f:
-                    data = f.read(1024)
-            except OSError:
-                continue
-            end = data.rfind(b")")
-            if data[end + 2:end + 3] in (b"T", b"t"):
-                return True
-        return False
+        return parent_stopped(self.main_pid, data)
 
     def report(self) -> None:
         if not self.answered:
