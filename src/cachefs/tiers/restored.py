@@ -37,10 +37,11 @@ GONE = 3      # its record failed its CRC, or its path was superseded and it was
 
 class Restored:
     """The cold set of a DiskTier's policy (cachefs.policy.Cold). `bring(n, row, trusted)`
-    is the tier's: make record n's entry (the row read and checked) and hand its blocks to
-    `Policy.restore`. Called with the tier's lock held, as the policy is."""
+    is the tier's: make record n's entry (the row read and checked; `held`: its blocks
+    and their sizes) and hand its blocks to `Policy.restore`. Called with the tier's lock held, as the policy is."""
 
-    def __init__(self, table: Table, bring: Callable[[int, Row, bool], None], lost: Callable[[bytes], None],
+    def __init__(self, table: Table, bring: Callable[[int, Row, bool, list[tuple[int, int]]], None],
+                 lost: Callable[[bytes], None],
                  lock: threading.RLock):
         self.table = table
         self.state = bytearray(table.count)
@@ -82,7 +83,7 @@ class Restored:
         held = block_bytes(row)
         self.count -= len(held)
         self.used -= sum(size for _, size in held)
-        self._bring(n, row, state == TRUSTED)
+        self._bring(n, row, state == TRUSTED, held)
         return row
 
     def _gone(self, n: int) -> None:
@@ -289,16 +290,14 @@ class FromTable:
                         e = self._entries.get(eid)
         return e
 
-    def _bring(self, n: int, row: Row, trusted: bool) -> None:
-        """Record n of the table into memory: its entry, and its blocks to the policy, as
-        the oldest (Restored.take; the tier's lock held)."""
-        e = self._entry_of(row, trusted)
-        self._entries[row.eid] = e
+    def _bring(self, n: int, row: Row, trusted: bool, held: list[tuple[int, int]]) -> None:
+        """Record n of the table into memory: its entry, and its blocks (`held`, with their
+        sizes) to the policy, as the oldest (Restored.take; the tier's lock held)."""
+        self._entries[row.eid] = self._entry_of(row, trusted)
         r = self._restored
-        if row.path not in self._paths and r is not None and n not in r.unpathed \
-                and r.table.find_path(row.path) == n:
+        if row.newest and r is not None and n not in r.unpathed and row.path not in self._paths:
             self._paths[row.path] = row.eid
-        self.policy.restore([((row.eid, i), size) for i, size in block_bytes(row)])
+        self.policy.restore([((row.eid, i), size) for i, size in held])
 
     def _lost(self, eid: bytes) -> None:
         """A restored record failed its CRC: its file goes (fetched again when read)."""

@@ -14,8 +14,9 @@ and reads an entry at a time, so that a mount costs the same at 2,000 cached fil
 
 A record holds an entry's id, `stored at`, the clean stop that vouches for its blocks
 (`synced`, ns; 0: read each block before it is served), block size, number of blocks, its
-path and hashes (inline for one block), the 11 integer stat fields, and a CRC-32 of the
-record with its path and heap part. A record that fails its CRC is not there (its blocks
+path and hashes (inline for one block), a flag for the newest entry of its path, the 11
+integer stat fields, and a CRC-32 of the record with its path and heap part. Entries with
+no block held (one being written at the stop) are left out. A record that fails its CRC is not there (its blocks
 are fetched again); a header that fails its CRC makes the table unreadable (the tier then
 starts as from a damaged index). The bucket arrays carry no CRC: a damaged bucket makes a
 lookup miss or land on a record whose id or path does not match, never a wrong entry.
@@ -43,11 +44,12 @@ from cachefs.tiers.store import allocated
 NAME = "entries.v1"
 MAGIC = b"cachefT1"
 HEADER = struct.Struct("<8sQQqQQQI4x")  # magic, count, buckets, stop ns, used bytes, blocks, id, crc
-RECORD = struct.Struct("<16sdqIIQIIQQ" + "q" * STAT_FIELDS)
-# eid, stored_at, synced_ns, block_size, nblocks, path_off, path_len, crc, aux_off, hash0, attr
+RECORD = struct.Struct("<16sdqIIQHHIQQ" + "q" * STAT_FIELDS)
+# eid, stored_at, synced_ns, block_size, nblocks, path_off, path_len, flags, crc, aux_off, hash0, attr
+NEWEST = 1  # flags: the newest entry of its path (the one the path buckets lead to)
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-_CRC_AT = 16 + 8 + 8 + 4 + 4 + 8 + 4  # the crc field's offset in a record
+_CRC_AT = 16 + 8 + 8 + 4 + 4 + 8 + 2 + 2  # the crc field's offset in a record
 
 
 class Row(NamedTuple):
@@ -60,6 +62,7 @@ class Row(NamedTuple):
     stored_at: float
     synced_ns: int              # the clean stop that vouches for its blocks; 0: read them
     hashes: list[int | None]    # one per block, None where the block is not held
+    newest: bool = False        # read back: the newest entry of its path in the table
 
 
 def block_bytes(row: Row) -> list[tuple[int, int]]:
@@ -90,8 +93,11 @@ def _put(table: list[int], key: int, value: int) -> None:
 def write(path: str, rows: Iterable[Row], stop_ns: int, table_id: int) -> int:
     """Write the table of `rows` (already in restore order) to `path`: a temporary file,
     fsync'd, renamed over. Returns its size."""
-    rows = list(rows)
+    rows = [row for row in rows if any(h is not None for h in row.hashes)]  # (an entry being written)
     count = len(rows)
+    newest: dict[bytes, int] = {}  # path bytes -> its newest row (the restore order is by stored_at)
+    for n, row in enumerate(rows):
+        newest[row.path.encode(FS_ENCODING, FS_ERRORS)] = n
     buckets = _buckets(count)
     by_id = [0] * buckets
     by_path = [0] * buckets
@@ -99,7 +105,6 @@ def write(path: str, rows: Iterable[Row], stop_ns: int, table_id: int) -> int:
     heap = bytearray()
     records = bytearray()
     used = blocks = 0
-    newest: dict[bytes, int] = {}  # path bytes -> its newest row (the restore order is by stored_at)
     for n, row in enumerate(rows):
         pb = row.path.encode(FS_ENCODING, FS_ERRORS)
         path_off = heap_at + len(heap)
@@ -119,13 +124,14 @@ def write(path: str, rows: Iterable[Row], stop_ns: int, table_id: int) -> int:
             aux = b"".join(_U64.pack(h or 0) for h in row.hashes) + bytes(bitmap)
             aux_off = heap_at + len(heap)
             heap += aux
-        fields = (row.eid, row.stored_at, row.synced_ns, row.block_size, len(row.hashes), path_off, len(pb), 0,
-                  aux_off, hash0, *row.attr[:STAT_FIELDS])
+        if len(pb) > 0xFFFF:
+            raise ValueError(f"a path of {len(pb)} bytes")
+        fields = (row.eid, row.stored_at, row.synced_ns, row.block_size, len(row.hashes), path_off, len(pb),
+                  NEWEST if newest[pb] == n else 0, 0, aux_off, hash0, *row.attr[:STAT_FIELDS])
         rec = RECORD.pack(*fields)
         crc = zlib.crc32(aux, zlib.crc32(pb, zlib.crc32(rec)))
         records += rec[:_CRC_AT] + _U32.pack(crc) + rec[_CRC_AT + 4:]
         _put(by_id, int.from_bytes(row.eid[:8], "little"), n + 1)
-        newest[pb] = n
     for pb, n in newest.items():
         _put(by_path, xxhash.xxh3_64_intdigest(pb), n + 1)
     head = HEADER.pack(MAGIC, count, buckets, stop_ns, used, blocks, table_id, 0)
@@ -172,7 +178,7 @@ class Table:
         rec = m[at:at + RECORD.size]
         try:
             f = RECORD.unpack(rec)
-            eid, stored_at, synced_ns, block_size, nblocks, path_off, path_len, crc, aux_off, hash0 = f[:10]
+            eid, stored_at, synced_ns, block_size, nblocks, path_off, path_len, flags, crc, aux_off, hash0 = f[:11]
             if not 0 < nblocks <= (1 << 32) or block_size <= 0 or path_off + path_len > self.size:
                 return None
             pb = m[path_off:path_off + path_len]
@@ -189,8 +195,9 @@ class Table:
                           for i in range(nblocks)]
             if zlib.crc32(aux, zlib.crc32(pb, zlib.crc32(rec[:_CRC_AT] + bytes(4) + rec[_CRC_AT + 4:]))) != crc:
                 return None
-            attr = Attr(*f[10:])  # type: ignore[arg-type]  # the 11 integer fields
-            return Row(eid, pb.decode(FS_ENCODING, FS_ERRORS), attr, block_size, stored_at, synced_ns, hashes)
+            attr = Attr(*f[11:])  # type: ignore[arg-type]  # the 11 integer fields
+            return Row(eid, pb.decode(FS_ENCODING, FS_ERRORS), attr, block_size, stored_at, synced_ns, hashes,
+                       bool(flags & NEWEST))
         except (struct.error, ValueError, IndexError):
             return None
 
@@ -218,7 +225,7 @@ class Table:
         pb = path.encode(FS_ENCODING, FS_ERRORS)
         for n in self._probe(self._by_path, xxhash.xxh3_64_intdigest(pb)):
             at = HEADER.size + n * RECORD.size
-            _, _, _, _, _, path_off, path_len = struct.unpack_from("<16sdqIIQI", self._map, at)
+            _, _, _, _, _, path_off, path_len = struct.unpack_from("<16sdqIIQH", self._map, at)
             if path_len == len(pb) and self._map[path_off:path_off + path_len] == pb:
                 return n
         return None
