@@ -207,3 +207,27 @@ def test_an_unreadable_table_costs_its_files_not_the_mount(disk, caplog):
     assert "entry table could not be read" in caplog.text
     assert t2.get((eid(1), 0)) is None and not os.path.exists(t2.file_of(eid(1).hex()))
     assert put(t2, 2, b"y" * 5000) and t2.get((eid(2), 0)) == b"y" * 5000
+
+
+def test_a_stop_with_nothing_changed_since_the_start_keeps_the_table(disk, monkeypatch):
+    t = disk()
+    for n in range(5):
+        put(t, n, bytes([n]) * 5000)
+    t.close()
+    first = tables(t)
+    t2 = disk()
+    assert all(t2.get((eid(n), 0)) == bytes([n]) * 5000 for n in range(5))   # an epoch reads; nothing changes
+    t2.close()
+    assert tables(t2) == first                                         # the same table stands for this stop
+    t3 = disk()
+    assert t3._entries == {} and t3.get((eid(2), 0)) == b"\x02" * 5000
+    t3.confirm("/f1")                                                  # an entry's time changed: written anew
+    t3.close()
+    assert tables(t3) != first and len(tables(t3)) == 1
+    t4 = disk()
+    assert t4.attr_of("/f1")[1] > t4.attr_of("/f0")[1]
+    put(t4, 9, b"new" * 100)                                           # an entry added: written anew
+    t4.close()
+    t5 = disk()
+    assert t5.get((eid(9), 0)) == b"new" * 100 and len(t5) == 6
+    check(t5)

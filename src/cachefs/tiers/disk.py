@@ -107,6 +107,7 @@ class DiskTier(FromTable, Checks, FileStore):
         self._stop = threading.Event()
         self._restored: Restored | None = None  # entries restored from the table, not in memory yet
         self._restored_at = 0.0
+        self._confirmed = False  # confirm() changed an entry's time since the start (see _write_table)
         self._table_id = 0           # the entry table the index names (0: none)
         self._table_bytes = 0
         s = self._stats
@@ -285,7 +286,7 @@ class DiskTier(FromTable, Checks, FileStore):
         line = index.block_line(e.name, index_, h)
         if new:
             line = index.entry_line(e.name, e.block_size, e.stored_at, e.attr, e.path) + line
-            eid = bytes.fromhex(e.name)
+            eid = e.eid
             self._paths[e.path] = eid
             r = self._restored
             if r is not None and r.files:
@@ -297,7 +298,7 @@ class DiskTier(FromTable, Checks, FileStore):
     def _dropping(self, e: Entry, index_: int) -> None:
         self._append(index.drop_line(e.name, index_), live=False)
         if index_ < 0:
-            eid = bytes.fromhex(e.name)
+            eid = e.eid
             if self._paths.get(e.path) == eid:
                 del self._paths[e.path]
             self._live_bytes = max(0, self._live_bytes - 200 - 50 * len(e.hashes))
@@ -393,7 +394,7 @@ class DiskTier(FromTable, Checks, FileStore):
                 except ValueError:
                     continue
                 if eid not in entries:
-                    entries[eid] = Entry(r.entry, r.path, r.attr, r.block_size, r.stored_at)
+                    entries[eid] = Entry(eid, r.path, r.attr, r.block_size, r.stored_at)
                 else:
                     entries[eid].stored_at = r.stored_at
             elif isinstance(r, index.BlockRecord):
@@ -519,6 +520,7 @@ class DiskTier(FromTable, Checks, FileStore):
         e = self._entries.get(eid) if eid is not None else None
         if e is not None:
             e.stored_at = time.time()
+            self._confirmed = True
 
     # -- shutdown -------------------------------------------------------------------------------
 

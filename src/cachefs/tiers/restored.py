@@ -150,6 +150,7 @@ class FromTable:
         _log_bytes: int
         _live_bytes: int
         _log_fd: int
+        _confirmed: bool
         policy: Policy
 
         def file_of(self, name: str) -> str: ...
@@ -186,6 +187,13 @@ class FromTable:
         time; one checked or written since this start is vouched for by this stop; one with
         blocks still to check is read at the next start."""
         with self._lock, self._log_lock:
+            if (self._table_id and self._restored is not None and not self._unwritten and not self._confirmed
+                    and self._log_bytes == len(index.table_line(self._table_id))):
+                # Nothing was added, dropped or confirmed since the start from this table:
+                # it stands for this stop too (its entries checked since keep the earlier
+                # stop's time, which still vouches for them). An epoch's stop costs a syncfs.
+                self._close_log()
+                return
             stop_ns = time.time_ns()
             rows = []
             for eid, e in self._entries.items():
@@ -209,9 +217,13 @@ class FromTable:
             self._table_bytes = size
             self._unwritten = bytearray()
             self._log_bytes = self._live_bytes = len(line)
-            if self._log_fd >= 0:  # the stop is recorded: nothing appends after it
-                os.close(self._log_fd)
-                self._log_fd = -1
+            self._close_log()
+
+    def _close_log(self) -> None:
+        """The stop is recorded: nothing appends after it."""
+        if self._log_fd >= 0:
+            os.close(self._log_fd)
+            self._log_fd = -1
 
     def _start_from_table(self, records: list, entries: dict[bytes, Entry], damaged: int) -> tuple[bool, int]:
         """The part of a start the entry table plays, if the index's first line names one
@@ -338,7 +350,7 @@ class FromTable:
 
     @staticmethod
     def _entry_of(row: Row, trusted: bool = False) -> Entry:
-        e = Entry(row.eid.hex(), row.path, row.attr, row.block_size, row.stored_at)
+        e = Entry(row.eid, row.path, row.attr, row.block_size, row.stored_at)
         e.hashes = list(row.hashes)
         held = [i for i, h in enumerate(e.hashes) if h is not None]
         e.present = len(held)

@@ -55,10 +55,10 @@ def allocated(size: int) -> int:
 class Entry:
     """One cached file version: which blocks are present, their hashes, who has it open."""
 
-    __slots__ = ("attr", "block_size", "hashes", "name", "path", "present", "stored_at", "unverified", "users")
+    __slots__ = ("attr", "block_size", "eid", "hashes", "path", "present", "stored_at", "unverified", "users")
 
-    def __init__(self, name: str, path: str, attr: Attr, block_size: int, stored_at: float):
-        self.name = name                # the entry id in hex: its file name
+    def __init__(self, eid: bytes, path: str, attr: Attr, block_size: int, stored_at: float):
+        self.eid = eid                  # (the tier's dict key, the same object: no bytes of its own)
         self.path = path
         self.attr = attr
         self.block_size = block_size
@@ -67,6 +67,11 @@ class Entry:
         self.present = 0
         self.unverified: set[int] | None = None  # blocks to check before they are served
         self.users = 0                  # opens the kernel holds for passthrough
+
+    @property
+    def name(self) -> str:
+        """The entry id in hex: its file's name (made when asked: 81 bytes less per entry)."""
+        return self.eid.hex()
 
     @property
     def size(self) -> int:
@@ -315,7 +320,7 @@ class FileStore:
                 return False
             new = e is None
             if new:
-                e = Entry(eid.hex(), info.path, info.attr, info.block_size, time.time())
+                e = Entry(eid, info.path, info.attr, info.block_size, time.time())
                 self._entries[eid] = e
         assert e is not None
         self._evict(victims)
@@ -396,7 +401,7 @@ class FileStore:
                 if victims is None:
                     self._stats.incr(f"{self.name}.{'refused' if evict else 'no_room'}")
                 else:
-                    e = Entry(name, info.path, info.attr, info.block_size, time.time())
+                    e = Entry(eid, info.path, info.attr, info.block_size, time.time())
                     e.hashes[index] = h
                     e.present = 1
                     self._entries[eid] = e

@@ -103,7 +103,8 @@ def write(path: str, rows: Iterable[Row], stop_ns: int, table_id: int) -> int:
     by_path = [0] * buckets
     heap_at = HEADER.size + count * RECORD.size + 8 * buckets
     heap = bytearray()
-    records = bytearray()
+    records = bytearray(count * RECORD.size)
+    view = memoryview(records)
     used = blocks = 0
     for n, row in enumerate(rows):
         pb = row.path.encode(FS_ENCODING, FS_ERRORS)
@@ -126,11 +127,12 @@ def write(path: str, rows: Iterable[Row], stop_ns: int, table_id: int) -> int:
             heap += aux
         if len(pb) > 0xFFFF:
             raise ValueError(f"a path of {len(pb)} bytes")
-        fields = (row.eid, row.stored_at, row.synced_ns, row.block_size, len(row.hashes), path_off, len(pb),
-                  NEWEST if newest[pb] == n else 0, 0, aux_off, hash0, *row.attr[:STAT_FIELDS])
-        rec = RECORD.pack(*fields)
-        crc = zlib.crc32(aux, zlib.crc32(pb, zlib.crc32(rec)))
-        records += rec[:_CRC_AT] + _U32.pack(crc) + rec[_CRC_AT + 4:]
+        at = n * RECORD.size
+        RECORD.pack_into(records, at, row.eid, row.stored_at, row.synced_ns, row.block_size, len(row.hashes),
+                         path_off, len(pb), NEWEST if newest[pb] == n else 0, 0, aux_off, hash0,
+                         *row.attr[:STAT_FIELDS])
+        crc = zlib.crc32(pb, zlib.crc32(view[at:at + RECORD.size]))
+        _U32.pack_into(records, at + _CRC_AT, zlib.crc32(aux, crc) if aux else crc)
         _put(by_id, int.from_bytes(row.eid[:8], "little"), n + 1)
     for pb, n in newest.items():
         _put(by_path, xxhash.xxh3_64_intdigest(pb), n + 1)
