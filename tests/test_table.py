@@ -6,6 +6,7 @@ the index does not name)."""
 
 import os
 import stat
+import time
 import zlib
 
 import pytest
@@ -77,8 +78,10 @@ def test_a_damaged_record_is_not_there_and_a_damaged_header_is_no_table(tmp_path
 def disk(tmp_path):
     tiers = []
 
-    def make(capacity=8 << 20, stats=None, **kw):
-        t = DiskTier(str(tmp_path / "store"), capacity, stats or Stats(), scrub=False, **kw)
+    def make(capacity=8 << 20, stats=None, bring_all=False, **kw):
+        # (entries stay in the table until touched: what is tested here; the background
+        # bring-in of a real start has its own test)
+        t = DiskTier(str(tmp_path / "store"), capacity, stats or Stats(), scrub=False, bring_all=bring_all, **kw)
         tiers.append(t)
         return t
 
@@ -231,3 +234,17 @@ def test_a_stop_with_nothing_changed_since_the_start_keeps_the_table(disk, monke
     t5 = disk()
     assert t5.get((eid(9), 0)) == b"new" * 100 and len(t5) == 6
     check(t5)
+
+
+def test_after_a_start_from_the_table_every_entry_comes_into_memory_in_the_background(disk):
+    t = disk()
+    for n in range(300):
+        put(t, n, bytes([n % 256]) * 3000)
+    t.close()
+    t2 = disk(bring_all=True)
+    deadline = time.monotonic() + 10
+    while len(t2._entries) < 300 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(t2._entries) == 300 and t2._restored.files == 0 and len(t2) == 300
+    assert all(t2.get((eid(n), 0)) == bytes([n % 256]) * 3000 for n in range(300))
+    check(t2)

@@ -36,6 +36,7 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -121,12 +122,55 @@ def measure_cachefs(args: argparse.Namespace, tree: str, rel: list[str], work: s
         c0, t0 = cpu(proc), time.monotonic()
         time.sleep(args.idle)
         out["idle_core_share"] = (cpu(proc) - c0) / (time.monotonic() - t0)
+    out.update(remount(args, tree, rel, work, name, mode, baseline, serve))
+    return out
+
+
+def remount(args: argparse.Namespace, tree: str, rel: list[str], work: str, name: str, mode: str,
+            baseline: str | None, serve: str | None = None) -> dict:
+    """A mount over the cache a measure_cachefs left (its first stop clean), the walk, and
+    one epoch with the page cache dropped."""
+    cache, mp = os.path.join(work, f"cache-{name}"), os.path.join(work, "mnt")
+    extra = ["--metadata-ttl", "3600", *MODES[mode], *(["--serve-processes", serve] if serve is not None else [])]
+    out: dict = {}
     t0 = time.monotonic()
     with mounted(tree, mp, cache, extra, baseline, ram=args.ram_size, disk=args.disk_size) as proc:
         out["mount_s"] = time.monotonic() - t0  # the mount command, until the mount is live
         out["scan_remount_s"] = scan(mp)[0]
         out["remount"] = epoch(mp, rel, 4, proc)
     return out
+
+
+def remounts_only(args: argparse.Namespace, work: str) -> int:
+    """--remounts-only K: the remount measures again over the caches an earlier run left in
+    --workdir, K rounds, the systems alternating; each figure and the median."""
+    tree = os.path.join(work, "tree")
+    if not os.path.isdir(tree):
+        raise SystemExit(f"scale: --remounts-only needs an earlier run's --workdir ({tree} is missing)")
+    rel = [os.path.relpath(x, tree) for x in list_imagefolder(tree)]
+    mode = args.modes.split(",")[0] or "passthrough"
+    systems = [(f"cachefs {mode}", mode, None)] + ([("baseline", "baseline", args.baseline)] if args.baseline else [])
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in systems}
+    for _ in range(args.remounts_only):
+        for label, name, baseline in systems:
+            runs[label].append(remount(args, tree, rel, work, name, mode, baseline))
+    def each(rs: list[dict], f: Callable[[dict], str]) -> str:
+        return ", ".join(f(r) for r in rs) + f" (median {f(median_row(rs))})"
+
+    rows = []
+    for label, rs in runs.items():
+        rows.append((label, each(rs, lambda r: f"{r['mount_s']:.2f}"), each(rs, lambda r: f"{r['scan_remount_s']:.2f}"),
+                     each(rs, lambda r: f"{r['remount']['files_per_s']:.0f}"),
+                     each(rs, lambda r: f"{r['remount']['cpu_ms_per_file']:.3f}")))
+    table(rows, ("system", "mount s", "scan after remount s", "first epoch files/s", "ms/file"))
+    write_json(args.json, {"args": vars(args), "files": len(rel), "remounts": runs})
+    return 0
+
+
+def median_row(rs: list[dict]) -> dict:
+    return {"mount_s": statistics.median(r["mount_s"] for r in rs),
+            "scan_remount_s": statistics.median(r["scan_remount_s"] for r in rs),
+            "remount": {k: statistics.median(r["remount"][k] for r in rs) for k in ("files_per_s", "cpu_ms_per_file")}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -144,9 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-processes", metavar="N[,N...]",
                    help="passthrough mounts with each of these --serve-processes, side by side")
     p.add_argument("--repeat", type=int, default=1, help="NVMe and page-cache epochs per mount (median)")
+    p.add_argument("--remounts-only", type=int, metavar="K", default=0,
+                   help="only the remount, walk and first epoch, K times alternating, over an earlier run's "
+                        "caches in --workdir")
     args = p.parse_args(argv)
     if not drop_caches():
         raise SystemExit("scale: needs root, to drop the page cache before each measurement")
+    if args.remounts_only:
+        if not args.workdir:
+            raise SystemExit("scale: --remounts-only needs --workdir (an earlier run's)")
+        return remounts_only(args, args.workdir)
     with workspace(args, "scale") as work:
         tree = os.path.join(work, "tree")
         make_tree(tree, args.files, args.dirs, args.file_size)

@@ -197,7 +197,7 @@ class Checks:
                         restored.trust(n)
                         trusted += 1
                     else:
-                        restored.take(n)
+                        restored.take(n, row)
             debt += 1.0 / TRUST_RATE
             if debt >= 0.05:
                 self._stats.incr("disk.trusted_files", trusted)

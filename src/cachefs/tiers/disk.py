@@ -85,12 +85,13 @@ class DiskTier(FromTable, Checks, FileStore):
 
     def __init__(self, directory: str, capacity: int, stats: Stats | None = None,
                  policy: str | Policy = DEFAULT_POLICY, max_idle: float | None = None, min_free: int = 0,
-                 scrub: bool = True, scrub_every: float = DEFAULT_SCRUB_INTERVAL):
+                 scrub: bool = True, scrub_every: float = DEFAULT_SCRUB_INTERVAL, bring_all: bool = True):
         os.makedirs(directory, mode=0o700, exist_ok=True)
         os.chmod(directory, 0o700)
         super().__init__(directory, capacity, stats, policy, max_idle, direct=True)
         self._min_free = int(min_free)
         self._scrub_every = scrub_every
+        self._bring_all_after_start = bring_all  # after a start from the table (FromTable._bring_all)
         self._index = os.path.join(directory, index.NAME)
         self._log_lock = threading.Lock()
         self._log_fd = -1
@@ -515,7 +516,7 @@ class DiskTier(FromTable, Checks, FileStore):
             if found is None:
                 return
             with self._lock:
-                self._restored.take(found[0])  # type: ignore[union-attr]  # (found: it is set)
+                self._restored.take(*found)  # type: ignore[union-attr]  # (found: it is set)
             eid = self._paths.get(path)
         e = self._entries.get(eid) if eid is not None else None
         if e is not None:

@@ -1,4 +1,4 @@
-"""The NVMe tier's entry table: what a clean stop held, in one binary file that a start maps
+"""The NVMe tier's entry table: what a clean stop held, in one binary file that a start opens
 and reads an entry at a time, so that a mount costs the same at 2,000 cached files as at
 1.28 million (replaying the index log into an object per file had cost 4-5 s per 200,000).
 
@@ -28,7 +28,6 @@ changes after it. `tests/test_table.py` pins the layout; change it only with a n
 
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 import zlib
@@ -145,45 +144,50 @@ def write(path: str, rows: Iterable[Row], stop_ns: int, table_id: int) -> int:
 
 
 class Table:
-    """A written table, mapped read-only. Raises ValueError (or OSError) if its header is
-    damaged or it is not the table `table_id` names."""
+    """A written table, read in place with pread (not mapped: a page fault on a mapping
+    happens with Python's GIL held, so after the page cache was dropped each one would
+    stall every thread of the daemon for a disk read; pread lets the others run). Raises
+    ValueError (or OSError) if its header is damaged or it is not the table `table_id`
+    names."""
 
     def __init__(self, path: str, table_id: int | None = None):
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
-            self.size = os.fstat(fd).st_size
-            if self.size < HEADER.size:
+            self.size = os.fstat(self._fd).st_size
+            head = os.pread(self._fd, HEADER.size, 0)
+            if len(head) < HEADER.size:
                 raise ValueError("too short")
-            self._map = mmap.mmap(fd, self.size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        head = self._map[:HEADER.size]
-        magic, count, buckets, stop_ns, used, blocks, tid, crc = HEADER.unpack(head)
-        if magic != MAGIC or crc != zlib.crc32(head[:-8]):
-            raise ValueError("damaged header")
-        if table_id is not None and tid != table_id:
-            raise ValueError("not the table the index names")
-        if buckets & (buckets - 1) or HEADER.size + count * RECORD.size + 8 * buckets > self.size:
-            raise ValueError("damaged header")
+            magic, count, buckets, stop_ns, used, blocks, tid, crc = HEADER.unpack(head)
+            if magic != MAGIC or crc != zlib.crc32(head[:-8]):
+                raise ValueError("damaged header")
+            if table_id is not None and tid != table_id:
+                raise ValueError("not the table the index names")
+            if buckets & (buckets - 1) or HEADER.size + count * RECORD.size + 8 * buckets > self.size:
+                raise ValueError("damaged header")
+        except BaseException:
+            os.close(self._fd)
+            raise
         self.count, self.stop_ns, self.used, self.blocks, self.table_id = count, stop_ns, used, blocks, tid
         self._buckets = buckets
         self._by_id = HEADER.size + count * RECORD.size
         self._by_path = self._by_id + 4 * buckets
 
     def close(self) -> None:
-        self._map.close()
+        os.close(self._fd)
+
+    def _read(self, at: int, length: int) -> bytes:
+        return os.pread(self._fd, length, at)
 
     def row(self, n: int) -> Row | None:
-        """Record `n`, or None if it fails its CRC."""
-        m = self._map
+        """Record `n`, or None if it fails its CRC (or cannot be read)."""
         at = HEADER.size + n * RECORD.size
-        rec = m[at:at + RECORD.size]
         try:
+            rec = self._read(at, RECORD.size)
             f = RECORD.unpack(rec)
             eid, stored_at, synced_ns, block_size, nblocks, path_off, path_len, flags, crc, aux_off, hash0 = f[:11]
             if not 0 < nblocks <= (1 << 32) or block_size <= 0 or path_off + path_len > self.size:
                 return None
-            pb = m[path_off:path_off + path_len]
+            pb = self._read(path_off, path_len)
             aux = b""
             if nblocks == 1:
                 hashes: list[int | None] = [hash0]
@@ -191,7 +195,7 @@ class Table:
                 aux_len = 8 * nblocks + -(-nblocks // 8)
                 if aux_off + aux_len > self.size:
                     return None
-                aux = m[aux_off:aux_off + aux_len]
+                aux = self._read(aux_off, aux_len)
                 bitmap = aux[8 * nblocks:]
                 hashes = [_U64.unpack_from(aux, 8 * i)[0] if bitmap[i >> 3] >> (i & 7) & 1 else None
                           for i in range(nblocks)]
@@ -200,25 +204,31 @@ class Table:
             attr = Attr(*f[11:])  # type: ignore[arg-type]  # the 11 integer fields
             return Row(eid, pb.decode(FS_ENCODING, FS_ERRORS), attr, block_size, stored_at, synced_ns, hashes,
                        bool(flags & NEWEST))
-        except (struct.error, ValueError, IndexError):
+        except (struct.error, ValueError, IndexError, OSError):
             return None
 
     def _probe(self, base: int, key: int) -> Iterator[int]:
+        """Record numbers in the probe sequence of `key`, read 16 buckets at a time (one
+        read covers a whole sequence at this load)."""
         mask = self._buckets - 1
         i = key & mask
-        for _ in range(self._buckets):
-            v = _U32.unpack_from(self._map, base + 4 * i)[0]
-            if not v:
+        left = self._buckets
+        while left > 0:
+            chunk = self._read(base + 4 * i, 4 * min(16, self._buckets - i, left))
+            if not chunk:
                 return
-            if v <= self.count:
-                yield v - 1
-            i = (i + 1) & mask
+            for (v,) in _U32.iter_unpack(chunk):
+                if not v:
+                    return
+                if v <= self.count:
+                    yield v - 1
+            left -= len(chunk) // 4
+            i = (i + len(chunk) // 4) & mask
 
     def find(self, eid: bytes) -> int | None:
         """The record number of entry `eid`, or None."""
         for n in self._probe(self._by_id, int.from_bytes(eid[:8], "little")):
-            at = HEADER.size + n * RECORD.size
-            if self._map[at:at + 16] == eid:
+            if self.eid_of(n) == eid:
                 return n
         return None
 
@@ -226,12 +236,13 @@ class Table:
         """The record number of the newest entry of `path`, or None."""
         pb = path.encode(FS_ENCODING, FS_ERRORS)
         for n in self._probe(self._by_path, xxhash.xxh3_64_intdigest(pb)):
-            at = HEADER.size + n * RECORD.size
-            _, _, _, _, _, path_off, path_len = struct.unpack_from("<16sdqIIQH", self._map, at)
-            if path_len == len(pb) and self._map[path_off:path_off + path_len] == pb:
+            head = self._read(HEADER.size + n * RECORD.size, _CRC_AT)
+            if len(head) < _CRC_AT:
+                continue
+            _, _, _, _, _, path_off, path_len = struct.unpack_from("<16sdqIIQH", head)
+            if path_len == len(pb) and self._read(path_off, path_len) == pb:
                 return n
         return None
 
     def eid_of(self, n: int) -> bytes:
-        at = HEADER.size + n * RECORD.size
-        return self._map[at:at + 16]
+        return self._read(HEADER.size + n * RECORD.size, 16)
