@@ -113,17 +113,23 @@ class Checks:
         u = e.unverified
         if type(u) is not Synced:
             return False
-        try:
-            st = os.stat(self.file_of(e.name))
-            ok = st.st_ctime_ns < u.at_ns - CLEAN_MARGIN_NS and st.st_size == e.size
-        except OSError:
-            ok = False  # the read that follows finds out why
+        ok = self._unchanged_since(e.name, u.at_ns, e.size)
         with self._lock:
             if e.unverified is u:
                 e.unverified = None if ok else set(u)
         if ok:
             self._stats.incr("disk.trusted_files")
         return ok
+
+    def _unchanged_since(self, name: str, at_ns: int, size: int) -> bool:
+        """Whether entry file `name` is as a clean stop at `at_ns` left it: its ctime from
+        before that stop (less the margin), its size `size`. False if it cannot be stat'ed
+        (the read that follows finds out why)."""
+        try:
+            st = os.stat(self.file_of(name))
+        except OSError:
+            return False
+        return st.st_ctime_ns < at_ns - CLEAN_MARGIN_NS and st.st_size == size
 
     def _scrub_loop(self) -> None:
         """Check blocks in the background: first each entry once after the start
@@ -184,13 +190,7 @@ class Checks:
         debt = 0.0
         trusted = 0
         for n, row, _ in restored.rows():
-            ok = False
-            if row.synced_ns:
-                try:
-                    st = os.stat(self.file_of(row.eid.hex()))
-                    ok = st.st_ctime_ns < row.synced_ns - CLEAN_MARGIN_NS and st.st_size == row.attr.size
-                except OSError:
-                    pass
+            ok = bool(row.synced_ns) and self._unchanged_since(row.eid.hex(), row.synced_ns, row.attr.size)
             with self._lock:
                 if restored.cold(n):
                     if ok:

@@ -355,7 +355,7 @@ class DiskTier(FromTable, Checks, FileStore):
             self._log_fd = fd
             self._unwritten = bytearray()  # the snapshot holds what they said
             self._log_bytes = self._live_bytes = len(data)
-            self._drop_tables()  # the index no longer names one (a restored set reads on from its mapping)
+            self._drop_tables()  # the index no longer names one (a restored set reads on from its open file)
 
     # Long (98 lines) for a reason: one pass replays the index log in order; split, its
     # state (entries, blocks seen, damage) would travel between the pieces.
