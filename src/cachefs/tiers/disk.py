@@ -503,7 +503,11 @@ class DiskTier(FromTable, Checks, FileStore):
         eid = self._paths.get(path)
         if eid is None:
             row = self._restored_row(path)
-            return None if row is None else (row[1].attr, row[1].stored_at)
+            if row is not None:
+                return row[1].attr, row[1].stored_at
+            eid = self._paths.get(path)  # brought into memory meanwhile (the background bring-in)
+            if eid is None:
+                return None
         e = self._entries.get(eid)
         return None if e is None else (e.attr, e.stored_at)
 
