@@ -130,7 +130,8 @@ class Policy:
         if key in self._entries:
             return True
         cold = self._cold
-        return cold is not None and cold.count > 0 and cold.warm(key)
+        # (after warm() took the tier's lock, a key another thread brought in is in memory)
+        return cold is not None and cold.count > 0 and (cold.warm(key) or key in self._entries)
 
     def _cold_keys(self) -> Iterator[tuple[Hashable, int]]:
         cold = self._cold

@@ -505,7 +505,8 @@ class DiskTier(FromTable, Checks, FileStore):
             row = self._restored_row(path)
             if row is not None:
                 return row[1].attr, row[1].stored_at
-            eid = self._paths.get(path)  # brought into memory meanwhile (the background bring-in)
+            with self._lock:  # brought into memory meanwhile (the background bring-in), whole
+                eid = self._paths.get(path)
             if eid is None:
                 return None
         e = self._entries.get(eid)

@@ -61,9 +61,9 @@ class Restored:
             return False
         eid, block = cast(BlockKey, key)
         n = self.table.find(eid)
-        if n is None or self.state[n] >= WARM:
+        if n is None:
             return False
-        row = self.table.row(n)  # (read before the lock: a read may wait on the disk)
+        row = self.table.row(n) if self.state[n] < WARM else None  # (before the lock: may wait on the disk)
         with self._lock:
             row = self.take(n, row)
         return row is not None and 0 <= block < len(row.hashes) and row.hashes[block] is not None
@@ -300,9 +300,9 @@ class FromTable:
         r = self._restored
         if e is None and r is not None and r.files:
             n = r.table.find(eid)  # (read before the lock: a read may wait on the disk)
-            if n is not None and r.cold(n):
-                row = r.table.row(n)
-                with self._lock:
+            if n is not None:
+                row = r.table.row(n) if r.cold(n) else None
+                with self._lock:  # (the bring-in marks a record taken before its entry is in memory)
                     if r.cold(n):
                         r.take(n, row)
                     e = self._entries.get(eid)
