@@ -72,6 +72,42 @@ def test_after_a_restart_the_check_of_a_directory_fetches_every_missing_attribut
     core.close()
 
 
+def test_a_listing_while_the_background_checks_its_directory_returns_after_the_check(tmp_path):
+    """A lookup answered from the index has its directory checked in the background; a
+    listing meanwhile must not return before that check has invalidated what changed."""
+    source = MemorySource()
+    for i in range(5):
+        source.add_file(f"/d/f{i}", bytes([i]) * 100)
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False))
+    for i in range(5):
+        assert core.read(f"/d/f{i}", 0, 100) == bytes([i]) * 100
+    core.close()
+    shutil.rmtree(tmp_path / "listings")
+    source.add_file("/d/f3", b"changed")
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False))
+    changed: list[str] = []
+    core.hooks.on_source_changed = changed.append
+    comparing, go_on = threading.Event(), threading.Event()
+    compare = core.metadata._compare
+
+    def held(*args):
+        comparing.set()
+        go_on.wait(10)
+        compare(*args)
+
+    core.metadata._compare = held
+    assert core.getattr("/d/f3").size == 100   # from the index: its directory checked behind
+    assert comparing.wait(10)
+    seen: list[list[str]] = []
+    lister = threading.Thread(target=lambda: (core.readdir("/d"), seen.append(list(changed))))
+    lister.start()
+    lister.join(0.5)
+    go_on.set()
+    lister.join(10)
+    assert seen == [["/d/f3"]]
+    core.close()
+
+
 def test_a_restarted_walk_within_the_ttl_asks_the_source_nothing(tmp_path):
     source = MemorySource()
     for c in range(3):

@@ -38,6 +38,7 @@ from cachefs.stats import Stats
 from cachefs.tiers.multilevel import MultiLevelCache
 
 _NO_XATTRS: dict[str, bytes | None] = {}  # never written to: no name is in it
+CHECK_WAIT = 30.0  # s: at most, a listing waits for another thread's check of its directory
 
 
 class _TTLCache:
@@ -129,6 +130,7 @@ class Metadata:
         self._index_answers = cache.remembers
         self._checked_dirs: set[str] = set()
         self._answered: dict[str, set[str]] = {}  # dir -> names answered from the index, unchecked
+        self._checking: dict[str, threading.Event] = {}  # dir -> set when its check has compared
         self._check_lock = threading.Lock()
         self._to_check: SimpleQueue[str] = SimpleQueue()
         self._checker: threading.Thread | None = None
@@ -284,7 +286,9 @@ class Metadata:
         prefix = path.rstrip("/") + "/"
         if check:
             self._check_dir(path, entries)
-        elif attrs:
+        else:
+            self._wait_checked(path)
+        if not check and attrs:
             for e in entries:
                 if e.attr is not None:
                     self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
@@ -367,9 +371,32 @@ class Metadata:
                 self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
         # Only now is the directory checked: until here a lookup found the index (and is
         # in `answered`) or the listing's attributes, never the source.
+        done = threading.Event()
         with self._check_lock:
             self._checked_dirs.add(directory)
             answered = self._answered.pop(directory, set())
+            before = self._checking.get(directory)  # two listings at once both check: the
+            self._checking[directory] = done       # second returns after the first too
+        try:
+            self._compare(prefix, fresh, answered)
+        finally:
+            with self._check_lock:
+                if self._checking.get(directory) is done:
+                    del self._checking[directory]
+            done.set()
+        if before is not None:
+            before.wait(CHECK_WAIT)
+
+    def _wait_checked(self, directory: str) -> None:
+        """A listing of `directory` while another thread's check compares it (see
+        _check_dir) returns after that check: what it found changed is invalidated first."""
+        with self._check_lock:
+            done = self._checking.get(directory)
+        if done is not None:
+            done.wait(CHECK_WAIT)
+
+    def _compare(self, prefix: str, fresh: dict[str, Attr], answered: set[str]) -> None:
+        """A directory's check: the listing's attributes `fresh` against the index's."""
         for name, attr in fresh.items():
             known = self._cache.indexed_attr(prefix + name)
             if known is None:
