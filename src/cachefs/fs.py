@@ -187,6 +187,7 @@ class CachefsFS(Published, Operations):
             self.core.hooks.connect(passthrough=True)
             self._backings = Backings(self.session, backing_limit())
             self.core.cache.on_drop(self._dropped)
+            self.core.cache.on_promoted(self._superseded)
             self.core.stats.gauge("opens.backing_files", lambda: len(self._backings or ()))
             self._table = self.session.start_servers(self.config.serve_processes or 0, NODE_TABLE_CAPACITY,
                                                      self._name_limit)
@@ -541,6 +542,7 @@ class CachefsFS(Published, Operations):
         if name == XATTR_STATS:
             if self.session is not None:
                 self.session.settle()  # the serving processes' opens counted first
+            self.core.cache.settle_promotions()  # and the RAM copies those opens queued
             return json.dumps(self.core.stats.snapshot(), separators=(",", ":")).encode()
         if name == XATTR_INFO:
             return json.dumps(dict(self._info, pid=os.getpid())).encode()

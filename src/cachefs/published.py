@@ -176,11 +176,19 @@ class Published:
             self._forgotten(parent)
 
     def _check_doomed(self, key: bytes) -> None:
-        """After a publish: a tier that dropped the copy meanwhile (its _dropped found no
-        node yet) gets the node taken back all the same."""
+        """After a publish: a tier that dropped the copy meanwhile, or RAM that took a
+        file published with its NVMe copy (their _dropped or _superseded found no node
+        yet), gets the node taken back all the same."""
         assert self._backings is not None
-        if self._backings.doomed(key):
+        if self._backings.doomed(key) or (not Backings.in_ram(key) and self.core.cache.in_ram(key)):
             self._unpublished.put(("copy", key))
+
+    def _superseded(self, eid: bytes) -> None:
+        """RAM took a file (copied from NVMe in the background, cachefs/tiers/promote.py):
+        a node published with the NVMe copy is taken back, and published again with the
+        RAM copy once its opens have closed (see _take_back), so that the kernel reads RAM."""
+        if eid in self._published:
+            self._unpublished.put(("copy", eid))
 
     def _dropped(self, eid: bytes) -> None:
         """A tier dropped an entry: the node published with its file is taken back from the

@@ -38,7 +38,8 @@ FUSE_OPS = ("lookup", "forget", "batch_forget", "getattr", "readlink", "open", "
             "opendir", "readdir", "readdirplus", "releasedir", "statfs", "getxattr", "listxattr", "access",
             "interrupt", "other")
 COUNTERS: tuple[str, ...] = (
-    "ram.hits", "ram.misses", "ram.served_bytes", "ram.evictions", "ram.promotions", "ram.refused", "ram.no_room",
+    "ram.hits", "ram.misses", "ram.served_bytes", "ram.evictions", "ram.promotions", "ram.promotions_skipped",
+    "ram.refused", "ram.no_room",
     "ram.writes", "ram.written_bytes", "ram.checksum_failures", "ram.errors",
     "disk.hits", "disk.misses", "disk.served_bytes", "disk.evictions", "disk.writes", "disk.written_bytes",
     "disk.refused", "disk.no_room", "disk.checksum_failures", "disk.errors", "disk.scrubbed_bytes", "disk.scrub_passes",

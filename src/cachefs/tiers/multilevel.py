@@ -31,6 +31,7 @@ from cachefs.stats import Stats
 from cachefs.tiers import Tier
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.memory import MemoryTier
+from cachefs.tiers.promote import Promoter
 from cachefs.tiers.shared import SharedTier
 from cachefs.tiers.store import FileStore, allocated
 
@@ -78,6 +79,7 @@ class MultiLevelCache:
         self._local: tuple[FileStore, ...] = (ram, disk) if disk is not None else (ram,)
         self._chain: tuple[Tier, ...] = (*self._local, *((shared,) if shared is not None else ()))
         self._waited = _WAITED if disk is not None else _WAITED_NO_DISK
+        self._promoter = Promoter(ram, disk, stats) if disk is not None else None
 
     # -- what the cache is --------------------------------------------------------------------
 
@@ -298,30 +300,38 @@ class MultiLevelCache:
     def open_backing(self, eid: bytes, size: int, promote: bool) -> tuple[Backing | None, bool]:
         """A complete cached copy of the file version `eid` the kernel may read directly,
         RAM first, held until released; and whether it counts as a RAM hit. With `promote`,
-        a copy on NVMe is first copied into RAM when RAM has free room for it."""
-        promoted = False
-        if promote and self.disk is not None and self.ram.policy.has_room(size):
-            found = self._backing(eid)
-            if found is not None and not found.in_ram:
-                promoted = self._promote(eid, found)
+        a copy on NVMe is queued for a copy into RAM when RAM has free room for it (see
+        cachefs/tiers/promote.py): this open gets the NVMe copy, a later one the RAM copy."""
         found = self.acquire_backing(eid)
-        return found, found is not None and found.in_ram and not promoted  # a promoted file came from NVMe
+        if found is not None and not found.in_ram and promote:
+            self._promote_soon(eid, size)
+        return found, found is not None and found.in_ram
 
     def count_open(self, eid: bytes, size: int, promote: bool) -> str | None:
         """An open a serving process passed through: the copy's blocks count as hits of the
         tier it stands in ("ram" or "disk"; None if no tier has it whole), and with
-        `promote` a copy on NVMe is then copied into RAM when RAM has free room for it, as
-        open_backing would ("promoted": an NVMe hit, in RAM from now on). Nothing is held:
+        `promote` a copy on NVMe is queued for RAM as at open_backing. Nothing is held:
         the serving process's backing id holds it."""
         if self.ram.hit_whole(eid):
             return "ram"
         if self.disk is None or not self.disk.hit_whole(eid):
             return None
-        if promote and self.ram.policy.has_room(size):
-            found = self._backing(eid)
-            if found is not None and not found.in_ram and self._promote(eid, found):
-                return "promoted"
+        if promote:
+            self._promote_soon(eid, size)
         return "disk"
+
+    def _promote_soon(self, eid: bytes, size: int) -> None:
+        if self._promoter is not None and self.ram.policy.has_room(size):
+            self._promoter.want(eid)
+
+    def on_promoted(self, listener: Callable[[bytes], None]) -> None:
+        """Tell `listener` of every file version copied from NVMe into RAM."""
+        if self._promoter is not None:
+            self._promoter.listeners.append(listener)
+
+    def settle_promotions(self, timeout: float = 1.0) -> bool:
+        """Wait until the files queued for RAM are copied (stats that count them)."""
+        return self._promoter is None or self._promoter.drain(timeout)
 
     def in_ram(self, eid: bytes) -> bool:
         """Whether the RAM tier holds the file version whole."""
@@ -338,32 +348,6 @@ class MultiLevelCache:
             if path is not None:
                 return Backing(tier, path, eid)
         return None
-
-    def _promote(self, eid: bytes, found: Backing) -> bool:
-        """Copy a whole file from NVMe into RAM when RAM has free room for it (an open of a
-        file filled for passthrough, which went to NVMe only)."""
-        e = found.tier.entry(eid)
-        info = found.tier.info_of(eid)
-        if e is None or info is None or not self.ram.has_room(e.size):
-            return False
-        try:
-            fd = os.open(found.path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            return False
-        try:
-            for index in range(len(e.hashes)):
-                offset, length = e.extent(index)
-                data = os.pread(fd, length, offset)
-                if len(data) != length or not self.ram.put((eid, index), data, info, evict=False):
-                    return False
-            # the NVMe copy's pages would be a second copy in memory: the kernel reads RAM's now
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
-        self._stats.incr("ram.promotions")
-        return True
 
     def verify(self, eid: bytes) -> None:
         """Check an entry held since before the start (see FileStore.backing_file) now,
@@ -425,6 +409,8 @@ class MultiLevelCache:
 
     def close(self) -> None:
         self.close_shared()
+        if self._promoter is not None:
+            self._promoter.close()
         if self.disk is not None:
             self.disk.close()
         self.ram.close()
