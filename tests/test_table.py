@@ -17,7 +17,7 @@ from cachefs.tiers import index, table
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.table import Row, Table
 
-from .test_tiers import check, eid, kill, put
+from .test_tiers import check, eid, kill, no_margin, put  # noqa: F401  (no_margin: a fixture)
 
 ATTR = Attr(stat.S_IFREG | 0o644, 1, 1000, 1000, 110_000, 1, 2_000_000_000, 3, 216, 0, 42)
 BS = 64 << 10
@@ -78,10 +78,10 @@ def test_a_damaged_record_is_not_there_and_a_damaged_header_is_no_table(tmp_path
 def disk(tmp_path):
     tiers = []
 
-    def make(capacity=8 << 20, stats=None, bring_all=False, **kw):
+    def make(capacity=8 << 20, stats=None, bring_all=False, scrub=False, **kw):
         # (entries stay in the table until touched: what is tested here; the background
         # bring-in of a real start has its own test)
-        t = DiskTier(str(tmp_path / "store"), capacity, stats or Stats(), scrub=False, bring_all=bring_all, **kw)
+        t = DiskTier(str(tmp_path / "store"), capacity, stats or Stats(), scrub=scrub, bring_all=bring_all, **kw)
         tiers.append(t)
         return t
 
@@ -234,6 +234,29 @@ def test_a_stop_with_nothing_changed_since_the_start_keeps_the_table(disk, monke
     t5 = disk()
     assert t5.get((eid(9), 0)) == b"new" * 100 and len(t5) == 6
     check(t5)
+
+
+@pytest.mark.usefixtures("no_margin")
+def test_the_background_bring_in_checks_each_entry_as_it_brings_it(disk):
+    """An entry brought in by the background thread comes trusted when its file is as the
+    clean stop left it (one stat, off the serving path); a file changed since comes
+    unverified, and its first read compares its bytes."""
+    t = disk()
+    for n in range(200):
+        put(t, n, bytes([n % 256]) * 3000)
+    time.sleep(0.05)  # older than the stop by the margin
+    t.close()
+    touched = t.file_of(eid(7).hex())
+    os.chmod(touched, 0o644)  # its ctime moves past the clean stop; its bytes are the same
+    stats = Stats()
+    t2 = disk(stats=stats, bring_all=True, scrub=True)
+    deadline = time.monotonic() + 10
+    while (len(t2._entries) < 200 or stats.get("disk.trusted_files") < 199) and time.monotonic() < deadline:
+        time.sleep(0.01)  # (the restart check, beside it, counts those it trusted first at its end)
+    unverified = sorted(n for n in range(200) if t2._entries[eid(n)].unverified)
+    assert unverified == [7] and stats.get("disk.trusted_files") == 199
+    assert t2.get((eid(7), 0)) == bytes([7]) * 3000 and not t2._entries[eid(7)].unverified
+    check(t2)
 
 
 def test_after_a_start_from_the_table_every_entry_comes_into_memory_in_the_background(disk):

@@ -199,6 +199,7 @@ DEFAULT_MIN_FREE_MAX = 10 * GiB
 # malloc arenas for the daemon's ~40 threads. glibc's default (8 per core) lets each thread
 # keep freed blocks in an arena of its own, and RSS then drifts far above the RAM budget.
 MALLOC_ARENAS = 2
+GC_THRESHOLDS = (10_000, 10, 100)  # the daemon's collector (daemon._tune_gc): (700, 10, 10) by default
 
 # Metadata entries kept in the daemon (stat results, extended attributes; a tenth as many
 # listings). About 1.25 KB per file looked up, node ids and listings included (tools/metamem.py).

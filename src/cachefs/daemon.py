@@ -5,6 +5,7 @@ NVMe tier's clean mark).
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -19,6 +20,7 @@ from cachefs.config import (
     DEFAULT_PREFETCH_WORKERS,
     FUSE_MAX_THREADS,
     FUSE_READERS,
+    GC_THRESHOLDS,
     MALLOC_ARENAS,
     MAX_READ,
     SHUTDOWN_GRACE,
@@ -153,6 +155,18 @@ def _warm_at_mount(core) -> None:  # type: ignore[no-untyped-def]
                 p["files_total"] - p["files_done"] + p["files_no_room"], p["files_failed"], p["elapsed_s"])
 
 
+def _tune_gc() -> None:
+    """The daemon keeps millions of long-lived objects (per cached file, per node): with
+    the interpreter's default thresholds a collection of them all ran 17 times in the
+    first epoch after a remount of 200,000 files (2.7 million objects), 5.7 s of CPU in
+    all, up to 1.15 s at once with the interpreter lock held (every request waited).
+    Young collections every 10,000 new objects instead of 700, and a full one every 100
+    middle ones instead of 10: none in that epoch, and 0.02 ms less CPU per file. What
+    the daemon frees it frees by reference counts; the collector is for cycles, which
+    its long-lived objects do not form."""
+    gc.set_threshold(*GC_THRESHOLDS)
+
+
 def _limit_malloc_arenas() -> None:
     """Cap glibc's malloc arenas (see config.MALLOC_ARENAS); a no-op on other C libraries."""
     try:
@@ -179,6 +193,7 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
 
     os.umask(0o077)  # every file the daemon creates (cache blocks, logs) is private
     _limit_malloc_arenas()
+    _tune_gc()
     log.info("file descriptors: up to %d (the caches of open files take a share of it)", raise_descriptor_limit())
     prepare_cache_dir(config)
     from cachefs.hooks import KernelHooks

@@ -92,6 +92,7 @@ class DiskTier(FromTable, Checks, FileStore):
         self._min_free = int(min_free)
         self._scrub_every = scrub_every
         self._bring_all_after_start = bring_all  # after a start from the table (FromTable._bring_all)
+        self._check_in_background = scrub  # the restart check and scrub (tests turn them off)
         self._index = os.path.join(directory, index.NAME)
         self._log_lock = threading.Lock()
         self._log_fd = -1
