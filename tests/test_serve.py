@@ -436,6 +436,45 @@ class FakeBacking(NamedTuple):
         pass
 
 
+class FakeRamBacking(NamedTuple):
+    """A RAM copy, as tiers.multilevel.Backing with in_ram."""
+
+    tier: object
+    path: str
+    eid: bytes
+    in_ram = True
+
+    def hold(self):
+        pass
+
+    def release(self):
+        pass
+
+
+def test_a_file_ram_took_has_its_nvme_registration_closed(tmp_path):
+    """Backings.superseded: the NVMe copy's id closes at once when idle, or at its last
+    close when open; the RAM copies are counted (opens.backing_files_ram)."""
+    from cachefs.nodes import Backings
+
+    (tmp_path / "copy").write_bytes(b"x")
+    session = FakeSession()
+    backings = Backings(session, 100)
+    idle, held = b"I" * 16, b"H" * 16
+    ids = {eid: backings.get(FakeBacking(None, str(tmp_path / "copy"), eid)) for eid in (idle, held)}  # type: ignore[arg-type]
+    backings.put(idle)  # closed by its last open: kept, idle
+    ram = backings.get(FakeRamBacking(None, str(tmp_path / "copy"), idle))  # type: ignore[arg-type]
+    assert len(backings) == 3 and backings.ram_count == 1
+    backings.superseded(idle)
+    assert session.closed == [ids[idle]] and len(backings) == 2   # idle: closed now
+    backings.superseded(held)
+    assert session.closed == [ids[idle]] and backings.hold(held) == 0   # open: not given out again...
+    backings.put(held)
+    assert session.closed == [ids[idle], ids[held]] and len(backings) == 1   # ...and closed at its last close
+    backings.put(Backings.ram_key(idle))
+    backings.dropped(idle)  # RAM let go of it too
+    assert session.closed[-1] == ram and len(backings) == 0 and backings.ram_count == 0
+
+
 def test_a_node_id_given_out_again_is_never_taken_back_for_its_previous_file(tmp_path):
     """A node forgotten while its entry is dropped: the forget's take-back frees the id, a
     lookup of another file gets it and publishes it, and only then is the drop handled. The

@@ -189,6 +189,7 @@ class CachefsFS(Published, Operations):
             self.core.cache.on_drop(self._dropped)
             self.core.cache.on_promoted(self._superseded)
             self.core.stats.gauge("opens.backing_files", lambda: len(self._backings or ()))
+            self.core.stats.gauge("opens.backing_files_ram", lambda: self._backings.ram_count if self._backings else 0)
             self._table = self.session.start_servers(self.config.serve_processes or 0, NODE_TABLE_CAPACITY,
                                                      self._name_limit)
             if self._table is not None:

@@ -141,6 +141,7 @@ class Backings:
         self._ids: dict[bytes, list] = {}  # key -> [backing id, the held Backing, opens, doomed]
         self._idle: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self.ram_count = 0  # of them, RAM copies (stats: opens.backing_files_ram)
 
     @staticmethod
     def key(backing: Backing) -> bytes:
@@ -181,10 +182,11 @@ class Backings:
             if rec is None or rec[3]:
                 # kept without its path (one per cached file: the path was 130 of ~500 bytes)
                 self._ids[eid] = [backing_id, backing._replace(path=""), 1, False]
+                self.ram_count += backing.in_ram
                 return backing_id
             rec[2] += 1  # registered by another open meanwhile: use that one
             self._idle.pop(eid, None)
-        self._close(backing_id, backing)
+        self._close(backing_id, backing, counted=False)
         return int(rec[0])
 
     def hold(self, eid: bytes) -> int:
@@ -231,6 +233,13 @@ class Backings:
         for key in self.keys(eid):
             self._dropped(key)
 
+    def superseded(self, eid: bytes) -> None:
+        """RAM took the entry: its NVMe copy's id is closed now, or at its last close (opens
+        register the RAM copy from now on). Kept, it held a kernel file and about 400 bytes
+        of this process per file, and counted twice against the limit, which then kept
+        half as many files registered."""
+        self._dropped(eid)
+
     def _dropped(self, eid: bytes) -> None:
         with self._lock:
             rec = self._ids.get(eid)
@@ -243,7 +252,10 @@ class Backings:
             self._idle.pop(eid, None)
         self._close(rec[0], rec[1])
 
-    def _close(self, backing_id: int, backing: Backing) -> None:
+    def _close(self, backing_id: int, backing: Backing, counted: bool = True) -> None:
+        if counted and backing.in_ram:
+            with self._lock:
+                self.ram_count -= 1
         try:
             self._session.backing_close(backing_id)
         except OSError as exc:

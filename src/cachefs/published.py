@@ -186,9 +186,12 @@ class Published:
     def _superseded(self, eid: bytes) -> None:
         """RAM took a file (copied from NVMe in the background, cachefs/tiers/promote.py):
         a node published with the NVMe copy is taken back, and published again with the
-        RAM copy once its opens have closed (see _take_back), so that the kernel reads RAM."""
+        RAM copy once its opens have closed (see _take_back), so that the kernel reads RAM;
+        the NVMe copy's backing id is closed then (Backings.superseded)."""
         if eid in self._published:
             self._unpublished.put(("copy", eid))
+        if self._backings is not None:
+            self._backings.superseded(eid)
 
     def _dropped(self, eid: bytes) -> None:
         """A tier dropped an entry: the node published with its file is taken back from the

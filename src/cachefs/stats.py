@@ -67,8 +67,8 @@ GAUGES: tuple[str, ...] = (
     "ram.used_bytes", "ram.capacity_bytes", "ram.entries", "ram.files",
     "disk.used_bytes", "disk.capacity_bytes", "disk.entries", "disk.files", "disk.suspended",
     "source.down", "source.background_limit", "metadata.entries", "prefetch.queued", "prefetch.unused",
-    "hint.sessions", "hint.pinned_bytes", "hint.queued", "opens.backing_files", "serve.processes", "serve.published",
-    "serve.names",
+    "hint.sessions", "hint.pinned_bytes", "hint.queued", "opens.backing_files", "opens.backing_files_ram",
+    "serve.processes", "serve.published", "serve.names",
     "shared.servers_down", "shared.pending_bytes", "shared.servers",
 )
 HISTOGRAMS: tuple[str, ...] = tuple(f"source.{op}" for op in SOURCE_OPS)

@@ -169,11 +169,11 @@ def test_a_file_promoted_to_ram_is_read_from_ram_by_the_kernel(tmp_path, mounts)
     epoch(mp, data, 2)  # RAM takes each
     assert stats(mp)["ram"]["promotions"] == len(data)
     # each node is taken back from the serving processes and published again with its RAM
-    # copy, registered beside the NVMe one (kept idle)
+    # copy; the NVMe copy's registration is closed
     deadline = time.monotonic() + 10
-    while stats(mp)["opens"]["backing_files"] < 2 * len(data) and time.monotonic() < deadline:
+    while stats(mp)["opens"]["backing_files_ram"] < len(data) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert stats(mp)["opens"]["backing_files"] == 2 * len(data)
+    assert stats(mp)["opens"]["backing_files_ram"] == stats(mp)["opens"]["backing_files"] == len(data)
     assert stats(mp)["serve"]["published"] == len(data)
     with open("/proc/sys/vm/drop_caches", "w") as f:
         f.write("3\n")
@@ -196,7 +196,7 @@ def test_serving_processes_answer_lookups_after_the_kernel_forgot_the_names(tmp_
     epoch(mp, data, 2)  # into RAM (counted at the serving process's report, which stats wait for)
     n, cached = len(data), sum(1 for blob in data.values() if blob)
     deadline = time.monotonic() + 10
-    while stats(mp)["opens"]["backing_files"] < 2 * cached and time.monotonic() < deadline:
+    while stats(mp)["opens"]["backing_files_ram"] < cached and time.monotonic() < deadline:
         time.sleep(0.05)  # each node taken back and published again with its RAM copy
     epoch(mp, data, 3)
     inodes = {rel: os.stat(mp / rel).st_ino for rel in data}
