@@ -288,10 +288,10 @@ class Metadata:
             self._check_dir(path, entries)
         else:
             self._wait_checked(path)
-        if not check and attrs:
-            for e in entries:
-                if e.attr is not None:
-                    self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
+            if attrs:
+                for e in entries:
+                    if e.attr is not None:
+                        self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
         self._dirs.put(path, entries, self.metadata_ttl)
         if self._listings is not None:
             own = self._attrs.get(path)

@@ -33,6 +33,7 @@ from cachefs.tiers.store import Entry
 
 if TYPE_CHECKING:
     from cachefs.tiers.restored import Restored
+    from cachefs.tiers.table import Row
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,15 @@ def mark_synced(entries: dict[bytes, Entry], blocks: list[BlockKey], at_ns: int 
             if type(u) is Synced:
                 u.at_ns = min(u.at_ns, at_ns)
 
+
+
+def behind_serving() -> None:
+    """Lower the calling thread's priority to WRITER_NICE: background work (the scrub, the
+    restart check, the bring-in) runs behind the daemon's serving threads."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+    except (OSError, AttributeError):
+        pass
 
 
 class Checks:
@@ -121,6 +131,10 @@ class Checks:
             self._stats.incr("disk.trusted_files")
         return ok
 
+    def _row_unchanged(self, row: Row) -> bool:
+        """_unchanged_since for a record of the entry table (one a clean stop wrote back)."""
+        return bool(row.synced_ns) and self._unchanged_since(row.eid.hex(), row.synced_ns, row.attr.size)
+
     def _unchanged_since(self, name: str, at_ns: int, size: int) -> bool:
         """Whether entry file `name` is as a clean stop at `at_ns` left it: its ctime from
         before that stop (less the margin), its size `size`. False if it cannot be stat'ed
@@ -137,10 +151,7 @@ class Checks:
         bytes and SCRUB_IDLE_BLOCKS blocks a second), sleeping in between: bit rot shows up
         as a checksum failure and a refetch, never as bytes served, and an idle mount does
         no work between passes."""
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except (OSError, AttributeError):
-            pass
+        behind_serving()
         if self._restored is not None:
             if self._stop.wait(1.0) or not self._check_restored(self._restored):
                 return
@@ -190,7 +201,7 @@ class Checks:
         debt = 0.0
         trusted = 0
         for n, row, _ in restored.rows():
-            ok = bool(row.synced_ns) and self._unchanged_since(row.eid.hex(), row.synced_ns, row.attr.size)
+            ok = self._row_unchanged(row)
             with self._lock:
                 if restored.cold(n):
                     if ok:

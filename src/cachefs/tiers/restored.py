@@ -18,12 +18,12 @@ import time
 from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, cast
 
-from cachefs.config import WRITER_NICE, format_size
+from cachefs.config import format_size
 from cachefs.identity import BlockKey
 from cachefs.policy import Policy
 from cachefs.stats import Stats
 from cachefs.tiers import index, table
-from cachefs.tiers.checks import Synced
+from cachefs.tiers.checks import Synced, behind_serving
 from cachefs.tiers.layout import replace_durably
 from cachefs.tiers.store import Entry
 from cachefs.tiers.table import Row, Table, block_bytes
@@ -166,7 +166,7 @@ class FromTable:
 
         def _open_log(self) -> None: ...
 
-        def _unchanged_since(self, name: str, at_ns: int, size: int) -> bool: ...
+        def _row_unchanged(self, row: Row) -> bool: ...
 
         def _files(self) -> dict[str, str]: ...
 
@@ -333,18 +333,15 @@ class FromTable:
         r = self._restored
         if r is None:
             return
-        try:  # behind the daemon's serving threads (the walk after a remount runs meanwhile)
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
-        except (OSError, AttributeError):
-            pass
+        behind_serving()  # (the walk after a remount runs meanwhile)
         for start in range(0, r.table.count, 64):
             if self._stop.is_set():
                 return
             rows = [(n, r.table.row(n)) for n in range(start, min(start + 64, r.table.count)) if r.cold(n)]
             # The restart check of each, as _check_restored's (which it overtakes): an entry
             # brought in unchecked cost its first open a stat on the serving path.
-            good = [self._check_in_background and row is not None and r.state[n] != TRUSTED and bool(row.synced_ns)
-                    and self._unchanged_since(row.eid.hex(), row.synced_ns, row.attr.size) for n, row in rows]
+            good = [self._check_in_background and row is not None and r.state[n] != TRUSTED
+                    and self._row_unchanged(row) for n, row in rows]
             trusted = 0
             with self._lock:
                 for (n, row), ok in zip(rows, good, strict=True):
