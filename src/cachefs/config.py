@@ -71,6 +71,14 @@ def default_serve_processes() -> int:
 # files of a tree; a node beyond it has its opens answered by the main process.
 NODE_TABLE_CAPACITY = 1 << 24
 
+# Names published ahead (cachefs/published.py, _publish_dir): the cached files of a
+# directory the kernel lists, or looks a file up in, are published to the serving
+# processes before their first lookup, up to the names' limit less AHEAD_ROOM (left to the
+# job's own lookups); directories remembered as done, at most AHEAD_DIRS_MAX (then forgotten
+# and done again: a published name is skipped).
+AHEAD_ROOM = 8192
+AHEAD_DIRS_MAX = 100_000
+
 # Metadata TTL (seconds) for stat results and directory listings, in cachefs and in the
 # kernel. Training data sets are immutable while a job runs; an hour keeps a whole epoch
 # from ever asking the source for metadata twice. Use --metadata-ttl 1 for a changing tree.

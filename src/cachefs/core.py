@@ -126,6 +126,7 @@ class Core:
         self.attr_expiry = meta.attr_expiry
         self.attrs_of = meta.attrs_of
         self.readdir = meta.readdir
+        self.known_listing = meta.known_listing
         self.listing_attrs_wanted = meta.listing_attrs_wanted
         self.readlink = meta.readlink
         self.statfs = meta.statfs

@@ -144,6 +144,10 @@ class CachefsFS(Published, Operations):
         self._names_lock = threading.Lock()
         self._name_limit = min(backing_limit(), NODE_TABLE_CAPACITY // 2)
         self._reaper: threading.Thread | None = None
+        self._ahead_seen: set[str] = set()
+        self._ahead_queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._ahead_thread: threading.Thread | None = None
+        self._ahead_stopped = False
         core.hooks.connect(on_source_changed=self._source_changed)
 
     def _out_of_descriptors(self, exc: OSError) -> None:
@@ -232,7 +236,11 @@ class CachefsFS(Published, Operations):
 
     def destroy(self) -> None:
         self._changed.put("")  # stops the invalidation thread
-        self._unpublished.put(("stop",))  # and the serving processes' helper, before what it uses goes
+        self._ahead_stopped = True  # names published ahead, then the serving processes' helper,
+        self._ahead_queue.put(None)  # before what they use goes
+        if self._ahead_thread is not None:
+            self._ahead_thread.join(10)
+        self._unpublished.put(("stop",))
         if self._reaper is not None:
             self._reaper.join(10)
         with self._opens_lock:
@@ -314,6 +322,7 @@ class CachefsFS(Published, Operations):
                                 a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
         if self._table is not None and a.is_file:
             self._publish_name(nodeid, parent, name, path, a, entry)
+            self._ahead_soon(path.rpartition("/")[0] or "/")
         return entry
 
     @_fuse_op
@@ -390,8 +399,9 @@ class CachefsFS(Published, Operations):
         # Plain tuples and str.encode (os.fsencode's): a third of what DirItem and
         # os.fsencode cost per entry.
         items = [(b".", stat_mod.S_IFDIR, 0), (b"..", stat_mod.S_IFDIR, 0)]
-        items += [(e.name.encode(FS_ENCODING, FS_ERRORS), e.type_mode, e.ino)
-                  for e in self.core.readdir(self.nodes.path(nodeid))]
+        path = self.nodes.path(nodeid)
+        items += [(e.name.encode(FS_ENCODING, FS_ERRORS), e.type_mode, e.ino) for e in self.core.readdir(path)]
+        self._ahead_soon(path)  # its cached files' names, for the serving processes
         return items
 
     @_fuse_op

@@ -185,12 +185,13 @@ class Metadata:
             self._ahead.looked_up(path)
         return attr
 
-    def known_attr(self, path: str) -> Attr | None:
+    def known_attr(self, path: str, count: bool = True) -> Attr | None:
         """The attributes of `path` if the daemon knows them (cached, or in the index),
-        without asking the source; None otherwise."""
+        without asking the source; None otherwise. `count`: as a hit (a kernel's request)."""
         hit = self._attrs.get(path)
         if isinstance(hit, Attr):
-            self.stats.incr("metadata.hits")
+            if count:
+                self.stats.incr("metadata.hits")
             return hit
         if self._index_answers and hit is None:
             return self._indexed(path)
@@ -235,6 +236,14 @@ class Metadata:
             entries = self._list(path, attrs)
         self._ahead.read(path)
         return entries
+
+    def known_listing(self, path: str) -> list[DirEntry] | None:
+        """`path`'s listing if the daemon has it (listed within --metadata-ttl, or kept on
+        the cache disk), without asking the source; None otherwise."""
+        hit = self._dirs.get(path)
+        if hit is not None:
+            return hit  # type: ignore[return-value]
+        return self._kept(path)
 
     def _wants_attrs(self, path: str, listing: list[DirEntry]) -> bool:
         """Whether a cached listing should be listed again with its entries' attributes

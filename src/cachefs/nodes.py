@@ -351,6 +351,29 @@ class Nodes:
     def id_of(self, path: str) -> int | None:
         return self._ids.get(path)
 
+    def pin_ahead(self, path: str, attr: Attr | None = None) -> int | None:
+        """The node of `path`, pinned (see pin), for a name published before the kernel looks
+        it up (Published._publish_dir): a file without a node gets one, with no reference
+        from the kernel. None if the path has no node and `attr` is None, or its node stands
+        for another version of the file than `attr` (its holders' version is left alone)."""
+        with self._lock:
+            nodeid = self._ids.get(path)
+            if nodeid is not None:
+                known = self._versions.get(nodeid)
+                if attr is not None and known is not None and version_of(known) != version_of(attr):
+                    return None
+            elif attr is None:
+                return None
+            else:
+                nodeid = self._free.pop() if self._free else next(self._next)
+                self._ids[path] = nodeid
+                self._paths[nodeid] = path
+                self._refs[nodeid] = 0
+                if attr.is_file:
+                    self._versions[nodeid] = attr
+            self._pins[nodeid] = self._pins.get(nodeid, 0) + 1
+            return nodeid
+
     def forget(self, nodeid: int, count: int) -> bool:
         """Take `count` of the kernel's references; True when that was the last of them (the
         kernel no longer knows the id: its owner gives it back with recycle). A pinned

@@ -222,3 +222,39 @@ def test_serving_processes_answer_lookups_after_the_kernel_forgot_the_names(tmp_
     assert (mp / rel).read_bytes() == b"new version"
     data[rel] = b"new version"
     epoch(mp, data, 5)
+
+
+def test_after_a_remount_the_cached_files_of_a_listed_directory_are_the_serving_processes_from_the_first_open(
+        tmp_path, mounts):
+    """A remounted job lists its tree: the cached files of each listed directory are
+    published ahead (names, nodes and backing ids), so that even their first lookup, open
+    and release of the mount are the serving processes'. The bytes are the source's, and a
+    file not cached is still the daemon's."""
+    src = tmp_path / "src"
+    data = make_tree(src, dirs=2, files=30)
+    mp = passthrough_mount(mounts, src, "--serve-processes", "1", "--readahead", "file")
+    read = {rel: blob for rel, blob in data.items() if rel.startswith("c0/") or rel < "c1/015"}
+    epoch(mp, read, 1)  # into NVMe: c0, and half of c1
+    mounts.unmount(mp)
+    mp = passthrough_mount(mounts, src, "--serve-processes", "1", "--readahead", "file")
+    for d in ("c0", "c1"):
+        assert sorted(os.listdir(mp / d)) == sorted(rel.split("/")[1] for rel in data if rel.startswith(d + "/"))
+    cached = sum(1 for blob in read.values() if blob)  # an empty file is the daemon's
+    deadline = time.monotonic() + 20
+    while stats(mp)["serve"]["published_ahead"] < cached and time.monotonic() < deadline:
+        time.sleep(0.05)
+    before = stats(mp)
+    assert before["serve"]["published_ahead"] == cached
+    assert before["serve"]["names"] == cached and before["serve"]["published"] == cached
+    assert before["opens"]["backing_files"] == cached
+    epoch(mp, data, 2)
+    after = stats(mp)
+    n, cold = len(data), sum(1 for rel, blob in data.items() if blob and rel not in read)
+    assert after["fuse"]["lookup"] - before["fuse"]["lookup"] >= n
+    assert after["serve"]["answered"] - before["serve"]["answered"] >= 3 * cached  # a lookup, an open, a release
+    # the daemon's: the directories' lookups, the files not cached and the empty ones
+    assert after["serve"]["forwarded"] - before["serve"]["forwarded"] <= 3 * (n - cached) + 10
+    assert after["disk"]["hits"] + after["ram"]["hits"] - before["disk"]["hits"] - before["ram"]["hits"] == cached
+    assert after["fuse"]["read"] - before["fuse"]["read"] <= 2 * cold  # the kernel read the cached files itself
+    assert after["fuse"].get("errors", 0) == 0
+    epoch(mp, data, 3)
