@@ -545,6 +545,7 @@ def test_published_names_pin_their_nodes_and_are_taken_back_oldest_first(tmp_pat
     fs._backings = Backings(session, 100)  # type: ignore[arg-type]
     fs._table = table = ServeTable.create(capacity=1024, processes=1, names=8)
     fs._name_limit = 3
+    fs._ahead_seen.add("/d")  # nothing published ahead (see the test below)
     req = Request(1, 1, 0, 0, 1)
     try:
         d = p.ENTRY_OUT.unpack_from(fs.lookup(req, 1, b"d"))[0]
@@ -584,6 +585,86 @@ def test_published_names_pin_their_nodes_and_are_taken_back_oldest_first(tmp_pat
         fs.nodes._ids["/d/f1"] = ids[1]  # as if the path pointed elsewhere meanwhile
         fs._source_changed("/d/f1")
         assert table.entry(d, b"f1", time.monotonic_ns()) is None and new not in fs._named
+    finally:
+        fs._table = None
+        table.close()
+
+
+def test_a_directory_s_cached_files_are_published_ahead_of_their_first_lookup(tmp_path):
+    """_publish_dir: each cached file of a listed directory gets a node (no reference from
+    the kernel, pinned by its name), a registered copy and its name published, so that a
+    serving process answers its first lookup and open. Files not cached, empty ones,
+    subdirectories and names published already are left alone; a node the kernel knows is
+    published as it stands; a directory the kernel forgot is skipped (its id may be
+    another's by now); and taking an ahead name back frees its node."""
+    from cachefs.config import Config
+    from cachefs.fs import CachefsFS
+    from cachefs.fuse.ops import Request
+    from cachefs.memsource import MemorySource
+    from cachefs.nodes import Backings
+    from tests.helpers import make_core
+
+    source = MemorySource()
+    source.add_dir("/d")
+    source.add_dir("/d/sub")
+    for i in range(5):
+        source.add_file(f"/d/f{i}", b"x" * i)  # f0 is empty
+    from cachefs.prefetch import Prefetcher
+
+    core = make_core(source, prefetcher=Prefetcher(workers=0), readahead="dir")  # no fetch in the background
+    fs = CachefsFS(core, Config(source="/src", mountpoint="/mnt", cache_dir=str(tmp_path)))
+    session = FakeSession()
+    fs.session = session  # type: ignore[assignment]
+    fs._backings = Backings(session, 100)  # type: ignore[arg-type]
+    fs._table = table = ServeTable.create(capacity=1024, processes=1, names=16)
+    fs._ahead_seen.add("/d")  # published ahead by this test's calls, not in the background
+    req = Request(1, 1, 0, 0, 1)
+    try:
+        for i in (0, 1, 2, 3):
+            assert fs.core.read(f"/d/f{i}", 0, i) == b"x" * i  # cached (in RAM); f4 is not
+        d = p.ENTRY_OUT.unpack_from(fs.lookup(req, 1, b"d"))[0]
+        known = p.ENTRY_OUT.unpack_from(fs.lookup(req, d, b"f3"))[0]  # the kernel knows f3: named by its lookup
+        assert list(fs._named) == [known]
+        fs.core.readdir("/d")
+        assert fs._publish_dir("/d") == 2  # f1 and f2
+        now = time.monotonic_ns()
+        ahead = {name: table.entry(d, name, now) for name in (b"f0", b"f1", b"f2", b"f3", b"f4", b"sub")}
+        assert ahead[b"f0"] is None and ahead[b"f4"] is None and ahead[b"sub"] is None
+        assert ahead[b"f3"][0] == known  # type: ignore[index]
+        for name, size in ((b"f1", 1), (b"f2", 2)):
+            nodeid = ahead[name][0]  # type: ignore[index]
+            assert fs.nodes.path(nodeid) == "/d/" + name.decode() and fs.nodes.version(nodeid).size == size  # type: ignore[union-attr]
+            assert table.slots[nodeid] and fs._opens[nodeid].published and fs._opens[nodeid].refs == 0
+            assert fs.nodes.forget(nodeid, 0) is False  # pinned by its name, no kernel reference
+        assert len(session.closed) == 0 and len(fs._backings) == 2  # f3's copy: registered at its first open
+        assert fs.core.stats.snapshot()["serve"]["published_ahead"] == 2
+        assert fs._publish_dir("/d") == 0  # done: nothing twice
+        # directory read-ahead: a directory with a file not cached is its business still;
+        # one whose every file is cached and published has nothing to fetch or check ahead
+        assert fs.core.dir_readahead is not None
+        fs.core.dir_readahead.touch("/d/f1")
+        source.add_dir("/e")
+        source.add_file("/e/g", b"yy")
+        assert fs.core.prefetch_file("/e/g")[0] == "fetched"  # cached, no reader's touch
+        fs.core.readdir("/e")
+        fs._ahead_seen.add("/e")
+        assert p.ENTRY_OUT.unpack_from(fs.lookup(req, 1, b"e"))[0] and fs._publish_dir("/e") == 1
+        dirs = fs.core.stats.snapshot()["prefetch"]["dirs"]
+        fs.core.dir_readahead.touch("/e/g")
+        assert fs.core.stats.snapshot()["prefetch"]["dirs"] == dirs
+        # taking an ahead name back (the kernel never looked it up) forgets its node
+        f1 = ahead[b"f1"][0]  # type: ignore[index]
+        with fs._names_lock:
+            fs._take_name(f1)
+        assert fs._unpublished.get_nowait() == ("name", f1, d)
+        fs._name_taken(table, f1, d)
+        assert fs.nodes.file_id(f1) is None
+        state = fs._unpublished.get_nowait()
+        assert state[:2] == ("node", f1) and state[3] is True  # its open state taken back, the id freed after
+        # a directory the kernel forgot is not published under its old id
+        fs.forget(d, 1)
+        assert fs.nodes.path(d) == "/d"  # pinned by f2's and f3's names
+        assert fs._publish_dir("/nowhere") == 0
     finally:
         fs._table = None
         table.close()

@@ -69,6 +69,16 @@ class DirReadahead:
         self._stats.incr("prefetch.dirs")
         self._prefetcher.wake()
 
+    def covered(self, directory: str) -> None:
+        """Every file of `directory` is cached (and checked: see cachefs/published.py,
+        _publish_dir): the job's reads there take nothing on."""
+        with self._lock:
+            if directory in self._pending or directory in self._active:
+                return
+            self._seen[directory] = None
+            if len(self._seen) > self._max_dirs:
+                self._seen.popitem(last=False)
+
     def __call__(self) -> tuple[object, Callable[[], object]] | None:
         if self.full:
             if not self._cache.has_room(self._block_size):

@@ -254,10 +254,11 @@ class Published:
             self._ahead_seen.discard(directory)  # the kernel forgot it: published at its next lookup
             return 0
         prefix = directory.rstrip("/") + "/"
-        published = 0
+        published = missed = 0
         try:
             for e in entries:
                 if self._ahead_stopped or len(self._named) >= self._name_limit - AHEAD_ROOM:
+                    missed += 1
                     break
                 name = e.name.encode(FS_ENCODING, FS_ERRORS)
                 if not stat_mod.S_ISREG(e.type_mode) or len(name) > NAME_MAX:
@@ -268,16 +269,21 @@ class Published:
                     continue
                 a = self.core.known_attr(path, count=False)
                 if a is None or not a.is_file or not a.size:
+                    missed += a is None
                     continue
                 nodeid = self.nodes.pin_ahead(path, a)
                 if nodeid is None:
                     continue
                 try:
-                    if self._publish_known(nodeid, FileId.of(path, a), False, register=True):
+                    fid = FileId.of(path, a)
+                    self.core.blocks.promote_ahead(fid)  # RAM's room, as the open would
+                    if self._publish_known(nodeid, fid, False, register=True):
                         entry = p.pack_entry_of(nodeid, a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
                                                 a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
                         self._publish_name(nodeid, parent, name, path, a, entry)
                         published += nodeid in self._named
+                    else:
+                        missed += 1
                 finally:
                     if self.nodes.unpin(nodeid):
                         self._forgotten(nodeid)
@@ -285,6 +291,8 @@ class Published:
             if self.nodes.unpin(parent):
                 self._forgotten(parent)
             self.core.stats.incr("serve.published_ahead", published)
+        if not missed and self.core.dir_readahead is not None:
+            self.core.dir_readahead.covered(directory)  # nothing to fetch or check ahead there
         return published
 
     def _reap_loop(self) -> None:
