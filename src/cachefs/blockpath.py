@@ -335,14 +335,6 @@ class BlockPath:
         self._stats.add_many(served)
         return found, None
 
-    def promote_ahead(self, fid: FileId) -> None:
-        """A file published before its first open (cachefs/published.py, after a remount):
-        copied from NVMe into RAM's free room now, where that open would have queued it, so
-        that it is published with the RAM copy once, not with NVMe's and then again."""
-        eid = entry_id(self.namespace, fid, self.block_size)
-        if 0 < fid.size <= self.whole_file_max and (eid, 0) not in self._guesses and not self._cache.in_ram(eid):
-            self._cache.promote_now(eid, fid.size)
-
     def count_opens(self, fids: list[FileId]) -> list[bool]:
         """Opens the serving processes passed through (their reports): each file's blocks
         count as hits of the tier its copy is in, as open_file counts them, in one stats

@@ -72,8 +72,8 @@ def default_serve_processes() -> int:
 NODE_TABLE_CAPACITY = 1 << 24
 
 # Names published ahead (cachefs/published.py, _publish_dir): the cached files of a
-# directory the kernel lists, or looks a file up in, are published to the serving
-# processes before their first lookup, up to the names' limit less AHEAD_ROOM (left to the
+# directory the daemon looks a file up in are published to the serving processes before
+# their first lookup, up to the names' limit less AHEAD_ROOM (left to the
 # job's own lookups); directories remembered as done, at most AHEAD_DIRS_MAX (then forgotten
 # and done again: a published name is skipped).
 AHEAD_ROOM = 8192

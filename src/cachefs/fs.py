@@ -399,9 +399,8 @@ class CachefsFS(Published, Operations):
         # Plain tuples and str.encode (os.fsencode's): a third of what DirItem and
         # os.fsencode cost per entry.
         items = [(b".", stat_mod.S_IFDIR, 0), (b"..", stat_mod.S_IFDIR, 0)]
-        path = self.nodes.path(nodeid)
-        items += [(e.name.encode(FS_ENCODING, FS_ERRORS), e.type_mode, e.ino) for e in self.core.readdir(path)]
-        self._ahead_soon(path)  # its cached files' names, for the serving processes
+        items += [(e.name.encode(FS_ENCODING, FS_ERRORS), e.type_mode, e.ino)
+                  for e in self.core.readdir(self.nodes.path(nodeid))]
         return items
 
     @_fuse_op

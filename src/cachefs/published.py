@@ -22,7 +22,6 @@ from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import NAME_MAX, ServeTable, decode_report
 from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
 from cachefs.nodes import Backings, NodeOpen, Nodes, version_of
-from cachefs.tiers.checks import behind_serving
 
 if TYPE_CHECKING:
     from cachefs.core import Core
@@ -213,8 +212,11 @@ class Published:
             self._backings.dropped(eid)
 
     def _ahead_soon(self, directory: str) -> None:
-        """The kernel listed `directory`, or this process looked a file up in it: its cached
-        files are published in the background (_publish_dir), once per directory a mount."""
+        """This process looked a file up in `directory`: its other cached files are
+        published in the background (_publish_dir), once per directory a mount. Not at a
+        listing: a walk lists every directory before the job reads a file, and publishing
+        behind it made the walk after a remount 2.3 times as long (the walk's requests
+        wait for the interpreter's lock)."""
         if self._table is None or directory in self._ahead_seen:
             return
         if len(self._ahead_seen) >= AHEAD_DIRS_MAX:
@@ -227,7 +229,11 @@ class Published:
                 self._ahead_thread.start()
 
     def _ahead_loop(self) -> None:
-        behind_serving()
+        # One thread at the daemon's priority. Measured after a remount (200,000 files):
+        # at nice 19 (as the scrub) it held the interpreter's lock while the scheduler kept
+        # it off the CPU, and the epoch was slower than with none; eight threads (its
+        # opens of cache files wait on the disk) fought over that lock and cost more CPU
+        # per file than one.
         while True:
             directory = self._ahead_queue.get()
             if directory is None:
@@ -247,7 +253,8 @@ class Published:
         registration, within the names' limit (AHEAD_ROOM of it left for the job's own
         lookups). How many files were published."""
         table, entries = self._table, self.core.known_listing(directory)
-        if table is None or not entries:
+        if table is None or entries is None:
+            self._ahead_seen.discard(directory)  # not listed yet: the next lookup there asks again
             return 0
         parent = self.nodes.pin_ahead(directory)  # its id stays its own while names are published under it
         if parent is None:
@@ -275,9 +282,7 @@ class Published:
                 if nodeid is None:
                     continue
                 try:
-                    fid = FileId.of(path, a)
-                    self.core.blocks.promote_ahead(fid)  # RAM's room, as the open would
-                    if self._publish_known(nodeid, fid, False, register=True):
+                    if self._publish_known(nodeid, FileId.of(path, a), False, register=True):
                         entry = p.pack_entry_of(nodeid, a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
                                                 a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
                         self._publish_name(nodeid, parent, name, path, a, entry)

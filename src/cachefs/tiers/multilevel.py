@@ -324,13 +324,6 @@ class MultiLevelCache:
         if self._promoter is not None and self.ram.policy.has_room(size):
             self._promoter.want(eid)
 
-    def promote_now(self, eid: bytes, size: int) -> bool:
-        """Copy a file version on NVMe only into RAM's free room now, in the calling thread
-        (a promotion ahead of its first open); whether RAM has it from this copy."""
-        if self._promoter is None or not self.ram.policy.has_room(size):
-            return False
-        return self._promoter.promote_now(eid)
-
     def on_promoted(self, listener: Callable[[bytes], None]) -> None:
         """Tell `listener` of every file version copied from NVMe into RAM."""
         if self._promoter is not None:

@@ -103,19 +103,6 @@ class Promoter:
                 for listener in self.listeners:
                     listener(eid)
 
-    def promote_now(self, eid: bytes) -> bool:
-        """promote() in the calling thread (the file system publishing a file ahead of its
-        first open, see cachefs/published.py), its listeners told; False for a file queued
-        here (the queue's thread copies it)."""
-        with self._cond:
-            if eid in self._queued or self._closed:
-                return False
-        done = self.promote(eid)
-        if done:
-            for listener in self.listeners:
-                listener(eid)
-        return done
-
     def promote(self, eid: bytes) -> bool:
         """Copy the file version `eid` from NVMe into RAM's free room now; whether RAM has
         it from this copy."""
