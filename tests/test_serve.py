@@ -661,6 +661,11 @@ def test_a_directory_s_cached_files_are_published_ahead_of_their_first_lookup(tm
         assert fs.nodes.file_id(f1) is None
         state = fs._unpublished.get_nowait()
         assert state[:2] == ("node", f1) and state[3] is True  # its open state taken back, the id freed after
+        # a directory not listed yet: nothing, and asked again at its next lookup
+        source.add_dir("/u")
+        source.add_file("/u/h", b"z")
+        fs._ahead_seen.add("/u")
+        assert fs._publish_dir("/u") == 0 and "/u" in fs._ahead_unlisted and "/u" not in fs._ahead_seen
         # a directory the kernel forgot is not published under its old id
         fs.forget(d, 1)
         assert fs.nodes.path(d) == "/d"  # pinned by f2's and f3's names

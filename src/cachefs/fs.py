@@ -145,6 +145,7 @@ class CachefsFS(Published, Operations):
         self._name_limit = min(backing_limit(), NODE_TABLE_CAPACITY // 2)
         self._reaper: threading.Thread | None = None
         self._ahead_seen: set[str] = set()
+        self._ahead_unlisted: set[str] = set()
         self._ahead_queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._ahead_thread: threading.Thread | None = None
         self._ahead_stopped = False

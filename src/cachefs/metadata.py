@@ -237,13 +237,13 @@ class Metadata:
         self._ahead.read(path)
         return entries
 
-    def known_listing(self, path: str) -> list[DirEntry] | None:
-        """`path`'s listing if the daemon has it (listed within --metadata-ttl, or kept on
-        the cache disk), without asking the source; None otherwise."""
+    def known_listing(self, path: str, kept: bool = True) -> list[DirEntry] | None:
+        """`path`'s listing if the daemon has it (listed within --metadata-ttl, or with
+        `kept` kept on the cache disk), without asking the source; None otherwise."""
         hit = self._dirs.get(path)
         if hit is not None:
             return hit  # type: ignore[return-value]
-        return self._kept(path)
+        return self._kept(path) if kept else None
 
     def _wants_attrs(self, path: str, listing: list[DirEntry]) -> bool:
         """Whether a cached listing should be listed again with its entries' attributes

@@ -51,6 +51,7 @@ class Published:
     _valid: tuple[int, int]
     # Directories whose cached files are published ahead (see _publish_dir)
     _ahead_seen: set[str]
+    _ahead_unlisted: set[str]  # directories found with no listing in memory or kept
     _ahead_queue: queue.SimpleQueue[str | None]
     _ahead_thread: threading.Thread | None
     _ahead_stopped: bool
@@ -219,8 +220,9 @@ class Published:
         wait for the interpreter's lock)."""
         if self._table is None or directory in self._ahead_seen:
             return
-        if len(self._ahead_seen) >= AHEAD_DIRS_MAX:
+        if len(self._ahead_seen) >= AHEAD_DIRS_MAX or len(self._ahead_unlisted) >= AHEAD_DIRS_MAX:
             self._ahead_seen.clear()  # bounded: a directory queued again publishes only what is not yet
+            self._ahead_unlisted.clear()
         self._ahead_seen.add(directory)
         self._ahead_queue.put(directory)
         with self._names_lock:
@@ -252,9 +254,13 @@ class Published:
         answered from them is), and copies a tier holds whole. Each file costs one backing
         registration, within the names' limit (AHEAD_ROOM of it left for the job's own
         lookups). How many files were published."""
-        table, entries = self._table, self.core.known_listing(directory)
+        # A kept listing is read from the cache disk once; a directory not listed yet is
+        # asked again at its next lookup, from memory (the lookup lists it soon)
+        table = self._table
+        entries = self.core.known_listing(directory, kept=directory not in self._ahead_unlisted)
         if table is None or entries is None:
-            self._ahead_seen.discard(directory)  # not listed yet: the next lookup there asks again
+            self._ahead_unlisted.add(directory)
+            self._ahead_seen.discard(directory)
             return 0
         parent = self.nodes.pin_ahead(directory)  # its id stays its own while names are published under it
         if parent is None:
