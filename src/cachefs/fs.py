@@ -319,8 +319,7 @@ class CachefsFS(Published, Operations):
         nodeid, new = self.nodes.looked_up(path, a)
         if self._table is not None and a.is_file and nodeid not in self._opens:
             self._publish_known(nodeid, FileId.of(path, a), new)
-        entry = p.pack_entry_of(nodeid, a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
-                                a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
+        entry = self._packed_entry(nodeid, a)
         if self._table is not None and a.is_file:
             self._publish_name(nodeid, parent, name, path, a, entry)
             self._ahead_soon(path.rpartition("/")[0] or "/")

@@ -94,16 +94,21 @@ class Published:
         # answered (another lookup of the same name may: the first state in wins).
         with contextlib.nullcontext() if new else self._node_lock(nodeid, refusable=False):
             with self._opens_lock:
-                taken = nodeid in self._opens
-                if not taken:
+                taken = self._opens.get(nodeid)
+                if taken is None:
                     self._opens[nodeid] = state
-            if taken:
+            if taken is not None:
                 self._backings.put(eid)
-                return bool(self._opens.get(nodeid, state).published)
+                return taken.published
             self._table.publish(nodeid, backing_id)
             self._published[eid] = nodeid
         self._check_doomed(eid)
         return True
+
+    def _packed_entry(self, nodeid: int, a: Attr) -> bytes:
+        """The packed fuse_entry_out of a lookup of `nodeid` with attributes `a`."""
+        return p.pack_entry_of(nodeid, a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
+                               a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
 
     def _publish_name(self, nodeid: int, parent: int, name: bytes, path: str, a: Attr, entry: bytes) -> None:
         """A file looked up (by this process) has its name published: the serving processes
@@ -256,9 +261,8 @@ class Published:
         lookups). How many files were published."""
         # A kept listing is read from the cache disk once; a directory not listed yet is
         # asked again at its next lookup, from memory (the lookup lists it soon)
-        table = self._table
         entries = self.core.known_listing(directory, kept=directory not in self._ahead_unlisted)
-        if table is None or entries is None:
+        if self._table is None or entries is None:
             self._ahead_unlisted.add(directory)
             self._ahead_seen.discard(directory)
             return 0
@@ -289,9 +293,7 @@ class Published:
                     continue
                 try:
                     if self._publish_known(nodeid, FileId.of(path, a), False, register=True):
-                        entry = p.pack_entry_of(nodeid, a.ino or 1, a.mode, a.nlink, a.uid, a.gid, a.size, a.atime_ns,
-                                                a.mtime_ns, a.ctime_ns, a.blocks, a.rdev, self._valid)
-                        self._publish_name(nodeid, parent, name, path, a, entry)
+                        self._publish_name(nodeid, parent, name, path, a, self._packed_entry(nodeid, a))
                         published += nodeid in self._named
                     else:
                         missed += 1
