@@ -60,10 +60,10 @@ def test_a_file_of_several_blocks_is_copied_block_by_block(tmp_path):
     cache, stats = _cache(tmp_path)
     data = os.urandom(2 * BS + 100)
     _on_disk(cache, 2, data)
-    assert cache.count_open(eid(2), len(data), promote=True) == "disk"
+    assert cache.count_opens([(eid(2), len(data), True)]) == ["disk"]
     assert cache.settle_promotions(10)
     assert _ram_bytes(cache, 2) == data and stats.get("ram.promotions") == 1
-    assert cache.count_open(eid(2), len(data), promote=True) == "ram"
+    assert cache.count_opens([(eid(2), len(data), True)]) == ["ram"]
     cache.close()
 
 
@@ -146,7 +146,26 @@ def test_where_the_kernel_refuses_the_copy_the_bytes_go_through_the_process(tmp_
 def test_a_file_promoted_keeps_its_attributes_for_the_ram_tier(tmp_path):
     cache, _ = _cache(tmp_path)
     _on_disk(cache, 5, b"z" * 10)
-    assert cache.count_open(eid(5), 10, promote=True) == "disk"
+    assert cache.count_opens([(eid(5), 10, True)]) == ["disk"]
     assert cache.settle_promotions(10)
     assert cache.ram.info_of(eid(5)) == info("/f5", 10)
+    cache.close()
+
+
+def test_a_report_counts_each_open_in_the_tier_that_holds_its_file(tmp_path):
+    """count_opens takes a serving process's whole report (one lock per tier): a file in
+    RAM is RAM's hit, one on NVMe only NVMe's (and queued for RAM), one in neither tier
+    nothing, each in its place in the answer."""
+    cache, stats = _cache(tmp_path)
+    data = os.urandom(BS - 7)
+    _on_disk(cache, 1, data)
+    _on_disk(cache, 2, data)
+    assert cache.count_opens([(eid(1), len(data), True)]) == ["disk"]
+    assert cache.settle_promotions(10) and cache.in_ram(eid(1))
+    before = stats.get("ram.promotions")
+    report = [(eid(9), 10, True), (eid(2), len(data), True), (eid(1), len(data), True), (eid(2), len(data), False)]
+    assert cache.count_opens(report) == [None, "disk", "ram", "disk"]
+    assert cache.settle_promotions(10)
+    assert stats.get("ram.promotions") == before + 1 and _ram_bytes(cache, 2) == data
+    assert cache.count_opens([(eid(2), len(data), True), (eid(1), len(data), True)]) == ["ram", "ram"]
     cache.close()

@@ -642,7 +642,7 @@ def test_a_directory_s_cached_files_are_published_ahead_of_their_first_lookup(tm
         # directory read-ahead: a directory with a file not cached is its business still;
         # one whose every file is cached and published has nothing to fetch or check ahead
         assert fs.core.dir_readahead is not None
-        fs.core.dir_readahead.touch("/d/f1")
+        fs.core.dir_readahead.touch_many(["/d/f1"])
         source.add_dir("/e")
         source.add_file("/e/g", b"yy")
         assert fs.core.prefetch_file("/e/g")[0] == "fetched"  # cached, no reader's touch
@@ -650,7 +650,7 @@ def test_a_directory_s_cached_files_are_published_ahead_of_their_first_lookup(tm
         fs._ahead_seen.add("/e")
         assert p.ENTRY_OUT.unpack_from(fs.lookup(req, 1, b"e"))[0] and fs._publish_dir("/e") == 1
         dirs = fs.core.stats.snapshot()["prefetch"]["dirs"]
-        fs.core.dir_readahead.touch("/e/g")
+        fs.core.dir_readahead.touch_many(["/e/g"])
         assert fs.core.stats.snapshot()["prefetch"]["dirs"] == dirs
         # taking an ahead name back (the kernel never looked it up) forgets its node
         f1 = ahead[b"f1"][0]  # type: ignore[index]

@@ -19,7 +19,7 @@ import errno
 import functools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import NamedTuple, Protocol
@@ -115,7 +115,7 @@ class BlockPath:
     def __init__(self, parts: Fetching, hooks: KernelHooks, prefetcher: Prefetcher | None = None,
                  readahead: bool = False, readahead_max: int = DEFAULT_READAHEAD_MAX,
                  whole_file_max: int = WHOLE_FILE_MAX, observers: list[ReadObserver] | None = None,
-                 touch: Callable[[str], None] | None = None):
+                 touch: Callable[[Iterable[str]], None] | None = None):
         (self._source, self._meta, self._guard, self._flights, self._cache, self._stats, self._guesses,
          self._on_changed, self.namespace, self.block_size) = parts
         block_size = self.block_size
@@ -131,7 +131,8 @@ class BlockPath:
         # Features that hear of every read (order hints); the list is the core's, filled
         # while it is built.
         self._observers = observers if observers is not None else []
-        self._touch = touch  # a file's first read: directory read-ahead takes its directory on
+        # a file's first read: directory read-ahead takes its directory on (DirReadahead.touch_many)
+        self._touch_many = touch
         self._cache.on_lost(self._guesses.lost)
 
     @property
@@ -302,8 +303,8 @@ class BlockPath:
         daemon to serve this open from: nothing fetched is fetched twice. (None, None):
         serve it block by block."""
         eid = entry_id(self.namespace, fid, self.block_size)
-        if self._touch is not None:
-            self._touch(fid.path)  # its siblings are fetched ahead, as for a read
+        if self._touch_many is not None:
+            self._touch_many((fid.path,))  # its siblings are fetched ahead, as for a read
         small = 0 < fid.size <= self.whole_file_max
         # a file fetched ahead, opened for the first time, stays where the fill put it
         found, from_ram = self._cache.open_backing(eid, fid.size, promote=small and (eid, 0) not in self._guesses)
@@ -342,12 +343,13 @@ class BlockPath:
         is in RAM now."""
         add: dict[str, int] = {}
         in_ram = []
-        for fid in fids:
-            eid = entry_id(self.namespace, fid, self.block_size)
-            if self._touch is not None:
-                self._touch(fid.path)  # its siblings are fetched ahead, as for a read
-            small = 0 < fid.size <= self.whole_file_max
-            tier = self._cache.count_open(eid, fid.size, promote=small and (eid, 0) not in self._guesses)
+        if self._touch_many is not None:
+            self._touch_many(fid.path for fid in fids)  # their siblings are fetched ahead, as for reads
+        eids = [entry_id(self.namespace, fid, self.block_size) for fid in fids]
+        guesses, most = self._guesses, self.whole_file_max
+        tiers = self._cache.count_opens([(eid, fid.size, 0 < fid.size <= most and (eid, 0) not in guesses)
+                                         for eid, fid in zip(eids, fids, strict=True)])
+        for eid, fid, tier in zip(eids, fids, tiers, strict=True):
             if tier is None:
                 in_ram.append(False)
                 continue
@@ -379,8 +381,8 @@ class BlockPath:
                 scattered = stream.random
             for index in ahead:
                 self._prefetcher.submit((fid, index), functools.partial(self.prefetch_block, fid, index), READAHEAD)
-        if offset == 0 and self._touch is not None:
-            self._touch(fid.path)
+        if offset == 0 and self._touch_many is not None:
+            self._touch_many((fid.path,))
         return scattered
 
     def _fill_when_idle(self, fid: FileId, index: int) -> str:

@@ -376,7 +376,7 @@ class Server:
         self.main_pid: int | None = None  # whose stop holds the reading (see main_stopped)
         self._stat_fd = -1
 
-    # Long (126 lines) for a reason: the hot loop, one function so that its names stay local
+    # Long (132 lines) for a reason: the hot loop, one function so that its names stay local
     def run(self) -> int:
         """Serve until the connection is gone (0), or fail (1)."""
         fd, buf = self.fd, self.buf
@@ -385,15 +385,20 @@ class Server:
         busy, step = table.busy, self.index * (_LINE // 8)
         slots, counts, capacity = table.slots, table.counts(self.index), table.capacity
         lookups, entry_of, named, has_name = table.lookups(self.index), table.entry, table.named, table.has_name
-        header = p.IN_HEADER.unpack_from
+        header = struct.Struct("<IIQQ").unpack_from  # IN_HEADER's first fields
         u64 = struct.Struct("<Q").unpack_from
         u32 = struct.Struct("<I").unpack_from
         reply_open = _OPEN_REPLY.pack
         error_reply = p.OUT_HEADER.pack
         own_flags = p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH
         write_flags = os.O_WRONLY | os.O_RDWR | os.O_TRUNC | os.O_APPEND | os.O_CREAT
-        clock, now_ns = time.perf_counter, time.monotonic_ns
+        clock, now_ns, monotonic = time.perf_counter_ns, time.monotonic_ns, time.monotonic
         stats, opened = self.stats, self.opened
+        forwarded, answered, pending = step + FORWARDED, step + ANSWERED, step + PENDING
+        bufs, readv = [buf], os.readv
+        OPEN, RELEASE, IOCTL, LOOKUP, FORGET, BATCH_FORGET, GETATTR = (
+            p.OPEN, p.RELEASE, p.IOCTL, p.LOOKUP, p.FORGET, p.BATCH_FORGET, p.GETATTR)
+        header_size = p.IN_HEADER.size
 
         def reply(data: bytes) -> bool:
             try:
@@ -420,15 +425,15 @@ class Server:
             if not ready and not poller.poll(REPORT_AFTER if self.answered else -1):
                 self.report()  # idle: what is pending goes now, so stats are never stale
                 continue
-            now = time.monotonic()
+            now = monotonic()
             if now - checked > MAIN_CHECK:  # a request waits: is the main process there to answer?
                 checked, stopped = now, self.main_stopped()
-            if stopped or busy[step + FORWARDED] - busy[step + ANSWERED] >= MAX_FORWARDED:
+            if stopped or busy[forwarded] - busy[answered] >= MAX_FORWARDED:
                 ready = False
                 time.sleep(0.02 if stopped else 0.002)  # the request stays with the kernel, killable
                 continue
             try:
-                n = os.readv(fd, [buf])
+                n = readv(fd, bufs)
                 ready = True
             except (BlockingIOError, InterruptedError):
                 ready = False
@@ -440,42 +445,18 @@ class Server:
                     self.report()
                     return 0
                 raise
-            if n < p.IN_HEADER.size:
+            if n < header_size:
                 if n == 0:  # end of file: the other side is gone (a test's fake kernel)
                     self.report()
                     return 0
                 continue
             busy[step] += 1  # odd: answering (see ServeTable.quiesce)
             start = clock()
-            length, opcode, unique, nodeid = header(buf)[:4]
+            length, opcode, unique, nodeid = header(buf)
             backing = slots[nodeid] if 0 < nodeid < capacity and length == n else 0  # read once
             kind = -1
-            if opcode == p.LOOKUP and length == n:
-                found = entry_of(nodeid, bytes(view[p.IN_HEADER.size:n - 1]), now_ns())
-                if found is not None:
-                    child, entry = found
-                    lookups[child] += 1  # before the reply: a forget may follow at once
-                    if not reply(error_reply(16 + len(entry), 0, unique) + entry):
-                        lookups[child] -= 1  # interrupted: the kernel did not count it
-                    kind = _LOOKUP
-            elif opcode == p.FORGET and length == n >= 48 and has_name(nodeid):
-                lookups[nodeid] -= u64(buf, 40)[0]
-                kind = _FORGET
-            elif opcode == p.BATCH_FORGET and length == n:
-                kind, rest = self.batch_forget(view, n)
-                if rest:  # the forgets of nodes not published, forwarded as a batch of their own
-                    busy[step] += 1  # idle while forwarding
-                    forward(rest)
-                    busy[step] += 1
-            elif opcode == p.GETATTR and length == n:
-                known = named(nodeid, now_ns())
-                if known is not None:  # attr_out: the entry's attribute timeout and attributes
-                    reply(error_reply(16 + 104, 0, unique) + known[24:32] + known[36:40] + bytes(4) + known[40:])
-                    kind = _GETATTR
-            elif opcode == p.IOCTL:
-                reply(error_reply(16, -errno.ENOTTY, unique))
-                kind = _OTHER
-            elif opcode == p.OPEN and backing:
+            # the most frequent first: an open is an OPEN, an IOCTL and a RELEASE
+            if opcode == OPEN and backing:
                 if u32(buf, 40)[0] & write_flags:
                     reply(error_reply(16, -errno.EROFS, unique))
                 else:
@@ -485,10 +466,35 @@ class Server:
                     else:
                         counts[nodeid] -= 1  # interrupted: the kernel will not release it
                 kind = _OPEN
-            elif opcode == p.RELEASE and backing and u64(buf, 40)[0] & OWN_FH:
+            elif opcode == IOCTL:
+                reply(error_reply(16, -errno.ENOTTY, unique))
+                kind = _OTHER
+            elif opcode == RELEASE and backing and u64(buf, 40)[0] & OWN_FH:
                 counts[nodeid] -= 1
                 reply(error_reply(16, 0, unique))
                 kind = _RELEASE
+            elif opcode == LOOKUP and length == n:
+                found = entry_of(nodeid, bytes(view[header_size:n - 1]), now_ns())
+                if found is not None:
+                    child, entry = found
+                    lookups[child] += 1  # before the reply: a forget may follow at once
+                    if not reply(error_reply(16 + len(entry), 0, unique) + entry):
+                        lookups[child] -= 1  # interrupted: the kernel did not count it
+                    kind = _LOOKUP
+            elif opcode == BATCH_FORGET and length == n:
+                kind, rest = self.batch_forget(view, n)
+                if rest:  # the forgets of nodes not published, forwarded as a batch of their own
+                    busy[step] += 1  # idle while forwarding
+                    forward(rest)
+                    busy[step] += 1
+            elif opcode == FORGET and length == n >= 48 and has_name(nodeid):
+                lookups[nodeid] -= u64(buf, 40)[0]
+                kind = _FORGET
+            elif opcode == GETATTR and length == n:
+                known = named(nodeid, now_ns())
+                if known is not None:  # attr_out: the entry's attribute timeout and attributes
+                    reply(error_reply(16 + 104, 0, unique) + known[24:32] + known[36:40] + bytes(4) + known[40:])
+                    kind = _GETATTR
             elif opcode in p.WRITE_OPS:
                 reply(error_reply(16, -errno.EROFS, unique))
                 kind = _OTHER
@@ -498,9 +504,9 @@ class Server:
                 continue
             busy[step] += 1  # even: idle
             stats[2 * kind] += 1
-            stats[2 * kind + 1] += int((clock() - start) * 1e6)
+            stats[2 * kind + 1] += (clock() - start) // 1000
             self.answered += 1
-            busy[step + PENDING] = self.answered
+            busy[pending] = self.answered
             if self.answered >= REPORT_EVERY:
                 self.report()
 

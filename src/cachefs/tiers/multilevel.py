@@ -307,18 +307,22 @@ class MultiLevelCache:
             self._promote_soon(eid, size)
         return found, found is not None and found.in_ram
 
-    def count_open(self, eid: bytes, size: int, promote: bool) -> str | None:
-        """An open a serving process passed through: the copy's blocks count as hits of the
-        tier it stands in ("ram" or "disk"; None if no tier has it whole), and with
-        `promote` a copy on NVMe is queued for RAM as at open_backing. Nothing is held:
-        the serving process's backing id holds it."""
-        if self.ram.hit_whole(eid):
-            return "ram"
-        if self.disk is None or not self.disk.hit_whole(eid):
-            return None
-        if promote:
-            self._promote_soon(eid, size)
-        return "disk"
+    def count_opens(self, opens: list[tuple[bytes, int, bool]]) -> list[str | None]:
+        """Opens a serving process passed through, each (entry id, size, promote): each
+        copy's blocks count as hits of the tier it stands in ("ram" or "disk"; None if no
+        tier has it whole), and with `promote` a copy on NVMe is queued for RAM as at
+        open_backing. Nothing is held: the serving process's backing id holds it. One
+        lock per tier for the whole report."""
+        tiers: list[str | None] = ["ram" if hit else None for hit in self.ram.hit_whole([o[0] for o in opens])]
+        rest = [i for i, tier in enumerate(tiers) if tier is None]
+        if rest and self.disk is not None:
+            for i, hit in zip(rest, self.disk.hit_whole([opens[i][0] for i in rest]), strict=True):
+                if hit:
+                    tiers[i] = "disk"
+                    eid, size, promote = opens[i]
+                    if promote:
+                        self._promote_soon(eid, size)
+        return tiers
 
     def _promote_soon(self, eid: bytes, size: int) -> None:
         if self._promoter is not None and self.ram.policy.has_room(size):

@@ -531,16 +531,19 @@ class FileStore:
             e = self._entry(eid)
             return None if e is None or not e.complete else self._acquired(eid, e)
 
-    def hit_whole(self, eid: bytes) -> bool:
-        """An open of the entry's file answered elsewhere (a serving process passed it
-        through): its blocks count as hits of the policy, as an open acquired here would;
-        False if the entry is not here whole."""
+    def hit_whole(self, eids: list[bytes]) -> list[bool]:
+        """Opens of entries' files answered elsewhere (a serving process's report): the
+        blocks of each entry here whole count as hits of the policy, as an open acquired
+        here would; for each, whether it was. One lock for the whole report."""
+        found = []
         with self._lock:
-            e = self._entry(eid)
-            if e is None or not e.complete or not self._usable():
-                return False
-            self._hit_blocks(eid, e)
-            return True
+            usable = self._usable()
+            for eid in eids:
+                e = self._entry(eid) if usable else None
+                if e is not None and e.complete:
+                    self._hit_blocks(eid, e)
+                found.append(e is not None and e.complete)
+        return found
 
     def needs_check(self, eid: bytes) -> bool:
         e = self._entry(eid)
