@@ -472,3 +472,24 @@ def test_opens_counted_from_a_report_count_as_opens_do(tmp_path):
     assert result["count_opens"][0] == result["open_file"][0]
     assert result["open_file"][0]["ram.promotions"] == 5 and result["open_file"][0]["ram.hits"] == 5
     assert result["count_opens"][1] == result["open_file"][1] == [False] * 5 + [True] * 5
+
+
+def test_a_file_fetched_ahead_twice_in_one_report_is_promoted_at_its_second_open(tmp_path):
+    """A report of opens counts them in order, as opens one by one would: a file fetched
+    ahead stays on NVMe at its first open (its first use), and a second open of it in the
+    same report queues it for RAM."""
+    from cachefs.stats import Stats
+    from cachefs.tiers.disk import DiskTier
+
+    for times in (1, 2):
+        source = MemorySource()
+        source.add_file("/d/f", blob(3000))
+        disk = DiskTier(str(tmp_path / f"disk{times}"), 10 << 20, Stats(), scrub=False)
+        core = make_core(source, disk=disk, block_size=BS)
+        core.hooks.connect(passthrough=True)  # a file fetched whole goes to NVMe
+        assert core.prefetch_file("/d/f")[0] == "fetched"
+        fid = core.file_id("/d/f")
+        assert core.count_opens([fid] * times) == [False] * times
+        assert core.cache.settle_promotions(10)
+        assert core.cache.in_ram(core.entry_id(fid)) is (times == 2)
+        core.close()

@@ -346,9 +346,14 @@ class BlockPath:
         if self._touch_many is not None:
             self._touch_many(fid.path for fid in fids)  # their siblings are fetched ahead, as for reads
         eids = [entry_id(self.namespace, fid, self.block_size) for fid in fids]
-        guesses, most = self._guesses, self.whole_file_max
-        tiers = self._cache.count_opens([(eid, fid.size, 0 < fid.size <= most and (eid, 0) not in guesses)
-                                         for eid, fid in zip(eids, fids, strict=True)])
+        # promoted as at open_file: not a file fetched ahead at its first open (an eid seen
+        # earlier in the report was heard then, and is no guess any more)
+        guesses, most, seen = self._guesses, self.whole_file_max, set()
+        opens = []
+        for eid, fid in zip(eids, fids, strict=True):
+            opens.append((eid, fid.size, 0 < fid.size <= most and (eid in seen or (eid, 0) not in guesses)))
+            seen.add(eid)
+        tiers = self._cache.count_opens(opens)
         for eid, fid, tier in zip(eids, fids, tiers, strict=True):
             if tier is None:
                 in_ram.append(False)

@@ -534,15 +534,17 @@ class FileStore:
     def hit_whole(self, eids: list[bytes]) -> list[bool]:
         """Opens of entries' files answered elsewhere (a serving process's report): the
         blocks of each entry here whole count as hits of the policy, as an open acquired
-        here would; for each, whether it was. One lock for the whole report."""
-        found = []
-        with self._lock:
-            usable = self._usable()
-            for eid in eids:
-                e = self._entry(eid) if usable else None
-                if e is not None and e.complete:
-                    self._hit_blocks(eid, e)
-                found.append(e is not None and e.complete)
+        here would; for each, whether it was. The lock is taken once per 32 (an entry
+        restored from the table is read in under it, and other users wait meanwhile)."""
+        found: list[bool] = []
+        for at in range(0, len(eids), 32):
+            with self._lock:
+                usable = self._usable()
+                for eid in eids[at:at + 32]:
+                    e = self._entry(eid) if usable else None
+                    if e is not None and e.complete:
+                        self._hit_blocks(eid, e)
+                    found.append(e is not None and e.complete)
         return found
 
     def needs_check(self, eid: bytes) -> bool:
