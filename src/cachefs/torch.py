@@ -20,7 +20,9 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 
 
 def read_bytes(path: str) -> bytes:
-    with open(path, "rb") as f:
+    """The file's bytes, opened unbuffered: a buffered open() before Python 3.14 asks
+    `isatty()`, on a FUSE mount one more request per file (docs/pytorch.md)."""
+    with open(path, "rb", buffering=0) as f:
         return f.read()
 
 
