@@ -115,7 +115,7 @@ class BlockPath:
     def __init__(self, parts: Fetching, hooks: KernelHooks, prefetcher: Prefetcher | None = None,
                  readahead: bool = False, readahead_max: int = DEFAULT_READAHEAD_MAX,
                  whole_file_max: int = WHOLE_FILE_MAX, observers: list[ReadObserver] | None = None,
-                 touch: Callable[[Iterable[str]], None] | None = None):
+                 touch_many: Callable[[Iterable[str]], None] | None = None):
         (self._source, self._meta, self._guard, self._flights, self._cache, self._stats, self._guesses,
          self._on_changed, self.namespace, self.block_size) = parts
         block_size = self.block_size
@@ -132,7 +132,7 @@ class BlockPath:
         # while it is built.
         self._observers = observers if observers is not None else []
         # a file's first read: directory read-ahead takes its directory on (DirReadahead.touch_many)
-        self._touch_many = touch
+        self._touch_many = touch_many
         self._cache.on_lost(self._guesses.lost)
 
     @property
@@ -345,12 +345,13 @@ class BlockPath:
         in_ram = []
         if self._touch_many is not None:
             self._touch_many(fid.path for fid in fids)  # their siblings are fetched ahead, as for reads
-        eids = [entry_id(self.namespace, fid, self.block_size) for fid in fids]
         # promoted as at open_file: not a file fetched ahead at its first open (an eid seen
         # earlier in the report was heard then, and is no guess any more)
         guesses, most, seen = self._guesses, self.whole_file_max, set()
-        opens = []
-        for eid, fid in zip(eids, fids, strict=True):
+        eids, opens = [], []
+        for fid in fids:
+            eid = entry_id(self.namespace, fid, self.block_size)
+            eids.append(eid)
             opens.append((eid, fid.size, 0 < fid.size <= most and (eid in seen or (eid, 0) not in guesses)))
             seen.add(eid)
         tiers = self._cache.count_opens(opens)
