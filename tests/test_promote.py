@@ -10,10 +10,10 @@ import threading
 from cachefs.stats import Stats
 from cachefs.tiers import promote as promote_mod
 from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.entry import allocated
 from cachefs.tiers.memory import MemoryTier
 from cachefs.tiers.multilevel import MultiLevelCache
 from cachefs.tiers.promote import Promoter
-from cachefs.tiers.store import allocated
 from tests.test_tiers import BS, eid, info, put
 
 

@@ -17,9 +17,9 @@ from cachefs.source import Attr
 from cachefs.stats import Stats
 from cachefs.tiers import index
 from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.entry import allocated
 from cachefs.tiers.memory import MemoryTier, sweep_stale
 from cachefs.tiers.multilevel import MultiLevelCache
-from cachefs.tiers.store import allocated
 
 BS = 64 << 10
 
@@ -591,6 +591,87 @@ def test_concurrent_readers_and_writers_see_exact_bytes(disk, policy):
     t2 = disk(capacity=2 << 20, policy=policy)
     for key in list(t2.policy.keys()):
         assert t2.get(key) == contents[key[0][0]]
+
+
+def _held_at(monkeypatch, module, name: str, first_only=lambda *a: True):
+    """Patch `module.name` to stop at its first matching call until released: (reached,
+    release). Another thread's step can then be put exactly into the gap."""
+    real = getattr(module, name)
+    reached, release, hits = threading.Event(), threading.Event(), []
+
+    def held(*args, **kw):
+        if not hits and first_only(*args):
+            hits.append(1)
+            reached.set()
+            release.wait(5)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(module, name, held)
+    return reached, release
+
+
+def _in_the_gap(reached, release, step) -> None:
+    """Run `step` in a thread while a held call waits, give it half a second (a fix that
+    makes it wait for the held call's lock shows as a step still running), then release."""
+    assert reached.wait(5)
+    th = threading.Thread(target=step)
+    th.start()
+    th.join(0.5)
+    release.set()
+    th.join(5)
+
+
+@pytest.mark.parametrize("tier", ["disk", "ram"])
+def test_a_dropped_file_is_unlinked_before_a_newer_entry_of_its_id_can_be_written(disk, tmp_path, monkeypatch, tier):
+    t = disk() if tier == "disk" else MemoryTier(4 << 20, Stats())
+    data = b"v" * 5000
+    assert put(t, 1, data)
+    path = t.file_of(eid(1).hex())
+    reached, release = _held_at(monkeypatch, os, "unlink", lambda p, *a: p == path)
+    dropper = threading.Thread(target=t.discard, args=((eid(1), 0),))
+    dropper.start()
+    _in_the_gap(reached, release, lambda: put(t, 1, data))   # the same id written again meanwhile
+    dropper.join(5)
+    assert os.path.exists(path)                 # the drop's unlink did not take the newer file
+    assert t.get((eid(1), 0)) == data
+    check(t)
+    if tier == "ram":
+        t.close()
+
+
+def test_a_punched_block_is_punched_before_it_can_be_written_again(disk, monkeypatch):
+    from cachefs.tiers import store
+    t = disk()
+    first, second = os.urandom(BS), os.urandom(5000)
+    assert put(t, 1, first, 0, size=BS + 5000) and put(t, 1, second, 1, size=BS + 5000)
+    reached, release = _held_at(monkeypatch, store, "punch_hole")
+    dropper = threading.Thread(target=t.discard, args=((eid(1), 0),))
+    dropper.start()
+    _in_the_gap(reached, release, lambda: put(t, 1, first, 0, size=BS + 5000))
+    dropper.join(5)
+    assert t.get((eid(1), 0)) == first          # not the hole the drop left
+    t.close()
+    assert disk().get((eid(1), 0)) == first     # nor after a restart (a clean stop trusts the file)
+
+
+@pytest.mark.parametrize("tier", ["disk", "ram"])
+def test_a_read_that_meets_a_block_punched_meanwhile_is_a_miss_not_zeros(disk, tmp_path, monkeypatch, tier):
+    from cachefs.tiers import store
+    t = disk() if tier == "disk" else MemoryTier(4 << 20, Stats())
+    first, second = os.urandom(BS), os.urandom(5000)
+    assert put(t, 1, first, 0, size=BS + 5000) and put(t, 1, second, 1, size=BS + 5000)
+    t.get((eid(1), 0))                           # (checked once: the next read is a plain one)
+    got = []
+    reached, release = _held_at(monkeypatch, store, "pread_direct" if getattr(t, "_direct", False) else "pread")
+    reader = threading.Thread(target=lambda: got.append(t.get((eid(1), 0))))
+    reader.start()
+    _in_the_gap(reached, release, lambda: t.discard((eid(1), 0)))
+    reader.join(5)
+    assert got == [None]                         # the hole read back was not served as the block
+    assert t.get((eid(1), 1)) == second
+    check(t)
+    if tier == "ram":
+        t.close()
 
 
 def test_disk_tier_reads_with_o_direct_where_the_filesystem_allows(disk, tmp_path):

@@ -28,8 +28,8 @@ from cachefs.config import (
 from cachefs.directio import DescriptorCache, pread, pread_direct
 from cachefs.identity import BlockKey
 from cachefs.stats import Stats
+from cachefs.tiers.entry import Entry
 from cachefs.tiers.layout import block_hash
-from cachefs.tiers.store import Entry
 
 if TYPE_CHECKING:
     from cachefs.tiers.restored import Restored

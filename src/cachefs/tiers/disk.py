@@ -46,20 +46,15 @@ from cachefs.config import (
     SUSPEND_FOR,
     format_size,
 )
-from cachefs.identity import Attr
+from cachefs.identity import Attr, BlockKey, EntryInfo
 from cachefs.policy import DEFAULT_POLICY, Policy
 from cachefs.stats import Stats
 from cachefs.tiers import index
 from cachefs.tiers.checks import Checks, Synced, mark_synced
+from cachefs.tiers.entry import Entry, allocated
 from cachefs.tiers.layout import replace_durably
 from cachefs.tiers.restored import FromTable, Restored
-from cachefs.tiers.store import (
-    BlockKey,
-    Entry,
-    EntryInfo,
-    FileStore,
-    allocated,
-)
+from cachefs.tiers.store import FileStore
 
 log = logging.getLogger(__name__)
 

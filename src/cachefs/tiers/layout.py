@@ -10,11 +10,19 @@ kernel can pass reads through to it.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 
 import xxhash
 
 SUBDIR_CHARS = 2
+
+FALLOC_FL_KEEP_SIZE = 0x01
+FALLOC_FL_PUNCH_HOLE = 0x02
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
 
 
 def entry_file(data_dir: str, name: str) -> str:
@@ -57,3 +65,10 @@ def replace_durably(path: str, data: bytes) -> None:
 def block_hash(data: bytes | memoryview) -> int:
     """The checksum the index records for a block: its xxh3 (64 bits)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def punch_hole(fd: int, offset: int, length: int) -> None:
+    """Free a range of an entry file (a dropped block), its size kept."""
+    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))

@@ -25,7 +25,8 @@ import weakref
 from cachefs.identity import BlockKey, EntryInfo
 from cachefs.policy import DEFAULT_POLICY, Policy
 from cachefs.stats import Stats
-from cachefs.tiers.store import FileStore, allocated
+from cachefs.tiers.entry import allocated
+from cachefs.tiers.store import FileStore
 
 log = logging.getLogger(__name__)
 

@@ -30,10 +30,11 @@ from cachefs.identity import Attr, BlockKey, EntryInfo
 from cachefs.stats import Stats
 from cachefs.tiers import Tier
 from cachefs.tiers.disk import DiskTier
+from cachefs.tiers.entry import allocated
 from cachefs.tiers.memory import MemoryTier
 from cachefs.tiers.promote import Promoter
 from cachefs.tiers.shared import SharedTier
-from cachefs.tiers.store import FileStore, allocated
+from cachefs.tiers.store import FileStore
 
 log = logging.getLogger(__name__)
 

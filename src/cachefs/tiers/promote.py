@@ -33,8 +33,8 @@ if TYPE_CHECKING:
     from cachefs.identity import EntryInfo
     from cachefs.stats import Stats
     from cachefs.tiers.disk import DiskTier
+    from cachefs.tiers.entry import Entry
     from cachefs.tiers.memory import MemoryTier
-    from cachefs.tiers.store import Entry
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from cachefs.policy import Policy
 from cachefs.stats import Stats
 from cachefs.tiers import index, table
 from cachefs.tiers.checks import Synced, behind_serving
+from cachefs.tiers.entry import Entry
 from cachefs.tiers.layout import replace_durably
-from cachefs.tiers.store import Entry
 from cachefs.tiers.table import Row, Table, block_bytes
 
 log = logging.getLogger(__name__)

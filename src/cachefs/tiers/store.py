@@ -15,8 +15,6 @@ cache disk, with an index that survives restarts).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import errno
 import logging
 import os
@@ -26,64 +24,13 @@ from collections.abc import Callable, Hashable
 
 from cachefs.config import FD_CACHE
 from cachefs.directio import DescriptorCache, pread, pread_direct
-from cachefs.identity import Attr, BlockKey, EntryInfo
+from cachefs.identity import BlockKey, EntryInfo
 from cachefs.policy import DEFAULT_POLICY, Policy, make_policy
 from cachefs.stats import Stats
-from cachefs.tiers.layout import block_hash, entry_file, write_all
+from cachefs.tiers.entry import Entry, allocated
+from cachefs.tiers.layout import block_hash, entry_file, punch_hole, write_all
 
 log = logging.getLogger(__name__)
-
-
-FALLOC_FL_KEEP_SIZE = 0x01
-FALLOC_FL_PUNCH_HOLE = 0x02
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-_libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
-
-
-def punch_hole(fd: int, offset: int, length: int) -> None:
-    if _libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, os.strerror(err))
-
-
-def allocated(size: int) -> int:
-    """Bytes `size` bytes of a file take on a filesystem with 4 KiB blocks."""
-    return -(-size // 4096) * 4096
-
-
-class Entry:
-    """One cached file version: which blocks are present, their hashes, who has it open."""
-
-    __slots__ = ("attr", "block_size", "eid", "hashes", "path", "present", "stored_at", "unverified", "users")
-
-    def __init__(self, eid: bytes, path: str, attr: Attr, block_size: int, stored_at: float):
-        self.eid = eid                  # (the tier's dict key, the same object: no bytes of its own)
-        self.path = path
-        self.attr = attr
-        self.block_size = block_size
-        self.stored_at = stored_at      # wall clock, when its attributes were last known good
-        self.hashes: list[int | None] = [None] * max(1, -(-attr.size // block_size))
-        self.present = 0
-        self.unverified: set[int] | None = None  # blocks to check before they are served
-        self.users = 0                  # opens the kernel holds for passthrough
-
-    @property
-    def name(self) -> str:
-        """The entry id in hex: its file's name (made when asked: 81 bytes less per entry)."""
-        return self.eid.hex()
-
-    @property
-    def size(self) -> int:
-        return self.attr.size
-
-    @property
-    def complete(self) -> bool:
-        return self.present == len(self.hashes)
-
-    def extent(self, index: int) -> tuple[int, int]:
-        start = index * self.block_size
-        return start, max(0, min(self.block_size, self.attr.size - start))
 
 
 class FileStore:
@@ -216,6 +163,7 @@ class FileStore:
             expected = e.hashes[index]
             check = e.unverified is not None and index in e.unverified
             offset, length = e.extent(index)
+            punched = e.punched
         if check and self._trusted(e):
             check = False
         hi = length if hi is None else min(hi, length)
@@ -247,6 +195,8 @@ class FileStore:
             self._verified(e, index)
             if (lo, hi) != (0, length):
                 data = data[lo:hi]
+        elif not self._kept(e, eid, punched):
+            return None  # dropped while read: what was read may be a hole of a newer file
         self.read_latency += (time.perf_counter() - start - self.read_latency) * 0.05
         self._read_ok()
         return data
@@ -268,6 +218,13 @@ class FileStore:
         with self._lock:
             now = self._entries.get(key[0])
             return now is e and key[1] < len(e.hashes) and e.hashes[key[1]] == expected
+
+    def _kept(self, e: Entry, eid: bytes, punched: int) -> bool:
+        """Whether the entry is still the tier's and no block of it was punched since
+        `punched`: a read that began before a drop may have met the hole it left, or the
+        file of a newer entry of the same id (not yet written there), and reads as zeros."""
+        with self._lock:
+            return self._entries.get(eid) is e and e.punched == punched
 
     def _failed_check(self, key: BlockKey, why: str) -> None:
         self._stats.incr(f"{self.name}.checksum_failures")
@@ -349,15 +306,34 @@ class FileStore:
                 e.hashes[index] = h
                 e.present += 1
                 self._recorded(e, index, h, new)
-        if not kept:  # evicted or replaced while we wrote: nothing to record
-            if current is None:
-                try:
-                    os.unlink(self.file_of(e.name))  # the write re-created a dropped file
-                except OSError:
-                    pass
+            elif not kept:  # evicted or dropped while we wrote: nothing to record
+                self._abandoned(eid, e, current)
+        if not kept:
             return False
         self._stats.add_many({f"{self.name}.writes": 1, f"{self.name}.written_bytes": len(data)})
         return True
+
+    def _abandoned(self, eid: bytes, e: Entry, current: Entry | None) -> None:
+        """A write whose block was let go meanwhile (the tier's lock held). If its entry
+        holds nothing and nothing is being written to it, the entry goes, and the file with
+        it; if the entry went already, the file the write re-created goes. Under the lock:
+        a file unlinked outside it may already be a newer entry's of the same id."""
+        if current is e and (e.present or any((eid, i) in self.policy for i in range(len(e.hashes)))):
+            return
+        if current is e:
+            del self._entries[eid]
+        if current is e or current is None:
+            self._unlink(e.name)
+
+    def _unlink(self, name: str) -> None:
+        """Delete an entry's file, with the tier's lock held (see _abandoned)."""
+        self._fds.forget(name)
+        try:
+            os.unlink(self.file_of(name))
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            self._write_failed(exc)
 
     def reserve(self, size: int) -> bool:
         """Hold `size` bytes of the budget for a file a fetch process is about to write
@@ -388,7 +364,8 @@ class FileStore:
         name = eid.hex()
         path = self.file_of(name)
         victims = None
-        if self._writable():
+        writable = self._writable()
+        if writable:
             asize = allocated(size)
             with self._lock:  # (an RLock) the held room goes to this admission, no other
                 if reserved:
@@ -400,6 +377,7 @@ class FileStore:
                 victims = self.policy.admit(key, asize, evict)
                 if victims is None:
                     self._stats.incr(f"{self.name}.{'refused' if evict else 'no_room'}")
+                    self._unlink(name)
                 else:
                     e = Entry(eid, info.path, info.attr, info.block_size, time.time())
                     e.hashes[index] = h
@@ -410,10 +388,11 @@ class FileStore:
         if reserved:
             self.unreserve(reserved)
         if victims is None:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+            if not writable:  # (refused by the policy, it went under the lock)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
             return "refused"
         self._evict(victims)
         self._stats.add_many({f"{self.name}.writes": 1, f"{self.name}.written_bytes": size})
@@ -464,35 +443,37 @@ class FileStore:
             whole = e.present == 0 or e.users > 0
             if whole:
                 # The kernel may be reading it (passthrough): never punch a hole under a
-                # reader. The entry goes whole; an open file keeps its bytes.
-                for i, h in enumerate(e.hashes):
-                    if h is not None:
-                        self.policy.remove((eid, i))
-                        e.hashes[i] = None
+                # reader. The entry goes whole; an open file keeps its bytes. Blocks still
+                # being written go too (their writers find them gone).
+                for i in range(len(e.hashes)):
+                    self.policy.remove((eid, i))
+                    e.hashes[i] = None
                 e.present = 0
                 del self._entries[eid]
+            else:
+                e.punched += 1
             self._dropping(e, -1 if whole else index)
+            # The file changes under the lock: outside it, a put of the same id may already
+            # have made a newer entry whose file this unlink or hole would take.
+            if whole:
+                self._unlink(e.name)
+            else:
+                self._punch(e, index)
         if whole:
-            self._fds.forget(e.name)
-            try:
-                os.unlink(self.file_of(e.name))
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                self._write_failed(exc)
             for listener in self.on_drop:
                 listener(eid)
-        else:
-            offset, length = e.extent(index)
+
+    def _punch(self, e: Entry, index: int) -> None:
+        offset, length = e.extent(index)
+        try:
+            fd = self._open_write(e.name)
             try:
-                fd = self._open_write(e.name)
-                try:
-                    punch_hole(fd, offset, allocated(length))
-                finally:
-                    os.close(fd)
-            except OSError as exc:
-                if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
-                    self._write_failed(exc)
+                punch_hole(fd, offset, allocated(length))
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOSYS):
+                self._write_failed(exc)
 
     def _dropping(self, e: Entry, index: int) -> None:
         """Recorded before the file changes (index -1: the whole entry)."""

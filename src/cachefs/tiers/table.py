@@ -37,8 +37,8 @@ from typing import NamedTuple
 import xxhash
 
 from cachefs.identity import FS_ENCODING, FS_ERRORS, STAT_FIELDS, Attr
+from cachefs.tiers.entry import allocated
 from cachefs.tiers.layout import replace_durably
-from cachefs.tiers.store import allocated
 
 NAME = "entries.v1"
 MAGIC = b"cachefT1"
