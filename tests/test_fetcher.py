@@ -4,6 +4,7 @@ threads when they are gone."""
 
 import errno
 import os
+import pathlib
 import signal
 import time
 
@@ -131,6 +132,68 @@ def test_the_core_adopts_what_they_write_and_does_the_work_itself_without_them(t
     finally:
         if core.fetchers is not None:
             core.fetchers.close()
+        core.close()
+
+
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_fill_is_taken_by_ram_at_once_while_ram_has_room(tmp_path, batch):
+    """The fetch process writes a RAM copy of a fill RAM has free room for: RAM takes it
+    at the fill (no promotion behind a later open), within its budget; the rest are
+    NVMe's alone, and nothing is left in RAM's directory that RAM did not take."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    files = {f"/d/{i}.jpg": os.urandom(10_000 + i) for i in range(8)}
+    for name, data in files.items():
+        (src / name.lstrip("/")).write_bytes(data)
+    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
+    core = make_core(LocalSource(str(src)), ram=3 * 12_288, disk=disk, block_size=BS)
+    core.hooks.connect(passthrough=True)
+    cache = core.cache
+    core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2,
+                               ram_dir=cache.ram_fill_dir))
+    try:
+        names = list(files)
+        outcomes = core.prefetch_small_batch(names) if batch else [core.prefetch_small(n) for n in names]
+        assert [o[0] for o in outcomes] == ["fetched"] * 8
+        in_ram = []
+        for name, data in files.items():
+            eid = core.entry_id(core.file_id(name))
+            assert disk.entry(eid) is not None                     # NVMe has every one
+            backing = cache.acquire_backing(eid)
+            assert backing is not None and open(backing.path, "rb").read() == data
+            in_ram.append(backing.in_ram)
+            backing.release()
+        assert in_ram.count(True) == 3 == len(cache.ram)           # as many as RAM had room for
+        assert core.stats.get("ram.writes") == 3 and core.stats.get("ram.promotions") == 0
+        assert cache.ram.used_bytes <= cache.ram.capacity == 3 * 12_288
+        ram_files = [p for p in pathlib.Path(cache.ram_fill_dir).rglob("*") if p.is_file()]
+        assert len(ram_files) == 3
+        cache.ram.check()
+        disk.check()
+    finally:
+        core.fetchers.close()
+        core.close()
+
+
+def test_a_ram_copy_that_cannot_be_written_leaves_the_fill_to_nvme_and_gives_back_its_room(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {f"/{i}.jpg": os.urandom(5_000) for i in range(4)}
+    for name, data in files.items():
+        (src / name.lstrip("/")).write_bytes(data)
+    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
+    core = make_core(LocalSource(str(src)), ram=1 << 20, disk=disk, block_size=BS)
+    core.hooks.connect(passthrough=True)
+    (tmp_path / "not-a-dir").write_bytes(b"")              # RAM's directory, as the fetch process sees it
+    core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2,
+                               ram_dir=str(tmp_path / "not-a-dir" / "data")))
+    try:
+        assert [o[0] for o in core.prefetch_small_batch(list(files))] == ["fetched"] * 4
+        assert len(disk._entries) == 4 and len(core.cache.ram) == 0
+        assert core.cache.ram.capacity == 1 << 20 and core.cache.ram.used_bytes == 0   # the held room came back
+        assert core.stats.get("disk.errors") == 0                                    # NVMe's write was fine
+    finally:
+        core.fetchers.close()
         core.close()
 
 

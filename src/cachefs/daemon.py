@@ -266,7 +266,7 @@ def start_fetchers(core, config: Config) -> None:  # type: ignore[no-untyped-def
     root = getattr(core.source, "root", config.source)
     core.use_fetchers(Fetchers(root, cache.fill_dir, core.namespace, core.block_size, n, channels,
                                _root_fd(core.source), config.shared_cache if cache.shares else None,
-                               cache.shared_namespace))
+                               cache.shared_namespace, cache.ram_fill_dir))
     log.info("fetch processes: %d (%d channels)", n, channels)
 
 

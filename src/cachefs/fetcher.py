@@ -14,7 +14,9 @@ Protocol, one request at a time per channel (a socket pair; a length-prefixed ma
 tuple each way): a `Fill` request gets a `Filled` reply, whose `kind` says what happened:
 
     STORED     written to the entry's file (created, O_EXCL); `hash` its xxh3. `shared`:
-               its bytes came from the shared tier (`attr` None: the file was not visited)
+               its bytes came from the shared tier (`attr` None: the file was not visited).
+               `in_ram`: written to the RAM tier's entry file too, as the request asked
+               (`ram`: the daemon holds the room), so that RAM takes it at once
     EXISTS     that file already exists: someone else has it
     LARGE      larger than the request's `limit`: nothing read
     CHANGED    not the expected version, or changed while read
@@ -70,19 +72,20 @@ _MANY = "many"
 
 class Fill(NamedTuple):
     """A request: fetch the small file `path` whole, if it is at most `limit` bytes and
-    (when `expect` is given) still that version."""
+    (when `expect` is given) still that version; with `ram`, write a RAM copy too."""
 
     path: str
     limit: int
     expect: FileId | None = None
+    ram: bool = False
 
     def wire(self) -> tuple[Any, ...]:
-        return self.path, self.limit, None if self.expect is None else tuple(self.expect[1:])
+        return self.path, self.limit, None if self.expect is None else tuple(self.expect[1:]), self.ram
 
     @classmethod
     def from_wire(cls, t: tuple[Any, ...]) -> Fill:
-        path, limit, expect = t
-        return cls(path, limit, FileId(path, *expect) if expect is not None else None)
+        path, limit, expect, ram = t
+        return cls(path, limit, FileId(path, *expect) if expect is not None else None, ram)
 
 
 class Filled(NamedTuple):
@@ -96,15 +99,16 @@ class Filled(NamedTuple):
     message: str = ""
     shared: bool = False
     data: bytes | None = None
+    in_ram: bool = False
 
     def wire(self) -> tuple[Any, ...]:
         return (self.kind, None if self.attr is None else tuple(self.attr), self.hash, self.errno,
-                self.message, self.shared)
+                self.message, self.shared, self.in_ram)
 
     @classmethod
     def from_wire(cls, t: tuple[Any, ...]) -> Filled:
-        kind, attr, h, code, message, shared = t
-        return cls(kind, None if attr is None else Attr(*attr), h, code, message, shared)
+        kind, attr, h, code, message, shared, in_ram = t
+        return cls(kind, None if attr is None else Attr(*attr), h, code, message, shared, None, in_ram)
 
     @classmethod
     def failed(cls, kind: str, exc: OSError) -> Filled:
@@ -150,9 +154,10 @@ def _recv(sock: socket.socket) -> object:
 
 class _Worker:
     def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int, root_fd: int = -1,
-                 shared: str | None = None, shared_namespace: str | None = None):
+                 shared: str | None = None, shared_namespace: str | None = None, ram_dir: str | None = None):
         self.source = open_source(root, root_fd)
         self.data_dir = data_dir
+        self.ram_dir = ram_dir
         self.namespace = namespace
         self.block_size = block_size
         self.stats = Stats()
@@ -178,7 +183,7 @@ class _Worker:
             return Filled.failed(ERROR, exc), None
         if data is None:
             return Filled(LARGE, attr), None
-        return self._write(FileId.of(path, attr), data, attr), data
+        return self._write(FileId.of(path, attr), data, attr, request.ram), data
 
     def fill_many(self, requests: list[Fill]) -> FilledBatch:
         """A batch: from the shared tier what it has, the rest from the source (then
@@ -192,7 +197,7 @@ class _Worker:
             found = self.shared.get_many([(fid, 0, fid.size) for _, fid in wanted])
             for (i, fid), data in zip(wanted, found, strict=True):
                 if data is not None:
-                    replies[i] = self._write(fid, data, None)
+                    replies[i] = self._write(fid, data, None, requests[i].ram)
         to_share = []
         todo = [i for i in range(len(requests)) if replies[i] is None]
         # the rest from the source, in parallel: a batch waits for one source visit, not one each
@@ -216,27 +221,22 @@ class _Worker:
                     servers[name] = (hits - h0, misses - m0)
         return FilledBatch([r for r in replies if r is not None], counts, servers)
 
-    def _write(self, fid: FileId, data: bytes, attr: Attr | None) -> Filled:
-        """Write a file version's bytes to its entry's file; the reply for it (`attr` None:
-        the bytes came from the shared tier)."""
-        dest = entry_file(self.data_dir, entry_id(self.namespace, fid, self.block_size).hex())
+    def _write(self, fid: FileId, data: bytes, attr: Attr | None, ram: bool = False) -> Filled:
+        """Write a file version's bytes to its entry's file, and with `ram` to the RAM
+        tier's too; the reply for it (`attr` None: the bytes came from the shared tier)."""
+        name = entry_id(self.namespace, fid, self.block_size).hex()
         try:
-            fd = create_exclusive(dest)
-        except FileExistsError:
-            return Filled(EXISTS, attr, shared=attr is None)
+            if not _write_new(entry_file(self.data_dir, name), data):
+                return Filled(EXISTS, attr, shared=attr is None)
         except OSError as exc:
             return Filled.failed(UNSTORED, exc)._replace(attr=attr, shared=attr is None)
-        try:
-            write_all(fd, data)
-        except OSError as exc:
-            os.close(fd)
-            try:
-                os.unlink(dest)
+        in_ram = False
+        if ram and self.ram_dir is not None:
+            try:  # (not there: a read's fill or a promotion is writing it; RAM's room is the daemon's)
+                in_ram = _write_new(entry_file(self.ram_dir, name), data)
             except OSError:
                 pass
-            return Filled.failed(UNSTORED, exc)._replace(attr=attr, shared=attr is None)
-        os.close(fd)
-        return Filled(STORED, attr, block_hash(data), shared=attr is None)
+        return Filled(STORED, attr, block_hash(data), shared=attr is None, in_ram=in_ram)
 
     def serve(self, sock: socket.socket) -> None:
         while True:
@@ -260,6 +260,26 @@ class _Worker:
                 return
 
 
+def _write_new(dest: str, data: bytes) -> bool:
+    """Create the entry file `dest` with `data`: False if it exists (someone else's);
+    OSError, with nothing left behind, if it cannot be written."""
+    try:
+        fd = create_exclusive(dest)
+    except FileExistsError:
+        return False
+    try:
+        write_all(fd, data)
+    except OSError:
+        os.close(fd)
+        try:
+            os.unlink(dest)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    return True
+
+
 def worker_main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cachefs.fetcher")
     p.add_argument("--root", required=True)
@@ -270,13 +290,14 @@ def worker_main(argv: list[str] | None = None) -> int:
     p.add_argument("--fds", required=True, help="comma-separated channel descriptors")
     p.add_argument("--shared", help="the shared tier's servers (memcached://...)")
     p.add_argument("--shared-namespace", default="")
+    p.add_argument("--ram-data", help="the RAM tier's data directory (fills asked to write a RAM copy)")
     p.add_argument("--parent", type=int, required=True, help="the daemon's pid")
     args = p.parse_args(argv)
     die_with_parent()
     if os.getppid() != args.parent:
         return 0  # the daemon is already gone (pid 1 is no sign of it: a daemon may be pid 1, in a container)
     worker = _Worker(args.root, args.data, args.namespace.encode(), args.block_size, args.root_fd,
-                     args.shared, args.shared_namespace)
+                     args.shared, args.shared_namespace, args.ram_data)
     threads = []
     for fd in (int(x) for x in args.fds.split(",")):
         sock = socket.socket(fileno=fd)
@@ -305,8 +326,10 @@ class Fetchers:
     RESTART_EVERY = 10.0
 
     def __init__(self, root: str, data_dir: str, namespace: bytes, block_size: int, processes: int,
-                 channels: int, root_fd: int = -1, shared: str | None = None, shared_namespace: str = ""):
+                 channels: int, root_fd: int = -1, shared: str | None = None, shared_namespace: str = "",
+                 ram_dir: str | None = None):
         self.shared = bool(shared)  # the workers ask the shared tier themselves (fill_many)
+        self.ram = ram_dir is not None  # the workers can write RAM copies (Fill.ram)
         self.processes: list[subprocess.Popen[bytes]] = []
         self._free: queue.SimpleQueue[socket.socket] = queue.SimpleQueue()
         self._all: list[socket.socket] = []
@@ -321,6 +344,8 @@ class Fetchers:
                      "--parent", str(os.getpid())]
         if shared:
             self._cmd += ["--shared", shared, "--shared-namespace", shared_namespace]
+        if ram_dir is not None:
+            self._cmd += ["--ram-data", ram_dir]
         self._root_fd = root_fd
         for slot in range(processes):
             self.processes.append(self._spawn())
@@ -382,11 +407,11 @@ class Fetchers:
         """Channels that serve, or will once a process that ended has been started again."""
         return len(self._all) + self._restarting * self._per
 
-    def fill(self, path: str, limit: int, expect: FileId | None, timeout: float | None) -> Filled:
+    def fill(self, path: str, limit: int, expect: FileId | None, timeout: float | None, ram: bool = False) -> Filled:
         """One request (see the module's protocol). Raises OSError(ETIMEDOUT) after
         `timeout` (the channel is set aside until its late reply arrives), and
         FetchUnavailable when no process can answer."""
-        return Filled.from_wire(self._call(Fill(path, limit, expect).wire(), timeout, path))
+        return Filled.from_wire(self._call(Fill(path, limit, expect, ram).wire(), timeout, path))
 
     def fill_many(self, requests: list[Fill], timeout: float | None) -> FilledBatch:
         """A batch of requests on one channel."""

@@ -139,10 +139,11 @@ class SmallFills:
         if not self._cache.reserve(room[0]):
             self._stats.incr("prefetch.no_room")
             return "no_room", 0
+        ram_room = self._ram_room(fetchers, expect.size)
         try:
             try:
                 reply = self._guard.call("stat", fetchers.fill, path, self.block_size, expect,
-                                         self._guard.timeout or None)
+                                         self._guard.timeout or None, bool(ram_room[0]))
             except FetchUnavailable:  # this one is done here; all of them, if none is left
                 if fetchers.channels <= 0 and self.fetchers is fetchers:
                     self.fetchers = None
@@ -150,10 +151,23 @@ class SmallFills:
                 reply = self._read_here(path, expect)
             except OSError:
                 reply = Filled(ERROR)
-            return self._fetched(path, key, reply, room)
+            return self._fetched(path, key, reply, room, ram_room=ram_room)
         finally:
-            if room[0]:
-                self._cache.unreserve(room[0])
+            self._unreserve(room, ram_room)
+
+    def _ram_room(self, fetchers: Fetchers, size: int) -> list[int]:
+        """RAM's room for a fill's copy, held if free ([0]: none; the fill is NVMe's alone).
+        The fetch process writes the copy from the bytes it has: RAM takes the file at its
+        fill, not behind a later open (a copy there made the daemon's open register the
+        file twice and take its node back once)."""
+        return [size if fetchers.ram and self._cache.reserve_ram(size) else 0]
+
+    def _unreserve(self, room: list[int], ram_room: list[int]) -> None:
+        """Give back what a fill held and did not hand to an admission."""
+        if room[0]:
+            self._cache.unreserve(room[0])
+        if ram_room[0]:
+            self._cache.unreserve_ram(ram_room[0])
 
     def _read_here(self, path: str, expect: FileId) -> Filled:
         """A fill's visit to the source in this process, as a fetch process's reply (READ,
@@ -197,12 +211,14 @@ class SmallFills:
             return out
         claims = [claim for _, claim in batch]
         rooms = [[c.fid.size] for c in claims]
+        ram_rooms = [self._ram_room(fetchers, c.fid.size) for c in claims]
         with self._owning(claims):
             shared_done = False  # the fetch process stored what it read in the shared tier
             try:
                 try:
                     got = self._guard.call("stat", fetchers.fill_many,
-                                           [Fill(c.fid.path, self.block_size, c.fid) for c in claims],
+                                           [Fill(c.fid.path, self.block_size, c.fid, bool(r[0]))
+                                            for c, r in zip(claims, ram_rooms, strict=True)],
                                            self._guard.timeout or None)
                     replies, shared_done = got.replies, fetchers.shared
                     if got.counts:
@@ -213,25 +229,24 @@ class SmallFills:
                     replies = [self._read_here(c.fid.path, c.fid) for c in claims]
                 except OSError:
                     replies = [Filled(ERROR)] * len(claims)
-                for (i, c), reply, room in zip(batch, replies, rooms, strict=True):
+                for (i, c), reply, room, ram_room in zip(batch, replies, rooms, ram_rooms, strict=True):
                     if reply.attr is None and reply.kind in (STORED, EXISTS, UNSTORED):  # from the shared tier
                         known = self._meta.last_known(c.fid.path)
                         reply = reply._replace(attr=known) if known is not None else Filled(ERROR)
-                    out[i] = self._fetched(c.fid.path, c.key, reply, room, shared_done)
+                    out[i] = self._fetched(c.fid.path, c.key, reply, room, shared_done, ram_room)
             finally:
-                for room in rooms:
-                    if room[0]:
-                        self._cache.unreserve(room[0])
+                for room, ram_room in zip(rooms, ram_rooms, strict=True):
+                    self._unreserve(room, ram_room)
         return out
 
     # -- what comes back ----------------------------------------------------------------------
 
     def _fetched(self, path: str, key: BlockKey, reply: Filled, room: list[int] | None,
-                 shared_done: bool = False) -> Outcome:
+                 shared_done: bool = False, ram_room: list[int] | None = None) -> Outcome:
         """What a fill does with the answer: cache the attributes, adopt or store the file
-        (handing the held `room` to the admission), count, and queue what came from the
-        source for the shared tier (unless `shared_done`: a batch whose fetch process
-        stored it there itself)."""
+        (handing the held `room`, and `ram_room` if RAM got a copy, to the admissions),
+        count, and queue what came from the source for the shared tier (unless
+        `shared_done`: a batch whose fetch process stored it there itself)."""
         kind = reply.kind
         if kind == CHANGED:
             self._stats.incr("source.changed")
@@ -264,7 +279,10 @@ class SmallFills:
         else:
             assert kind == STORED and room is not None
             held, room[0] = room[0], 0
-            admitted = cache.adopt(key, attr.size, reply.hash, info, reserved=held)
+            ram_held = None
+            if reply.in_ram and ram_room is not None:
+                ram_held, ram_room[0] = ram_room[0], 0
+            admitted = cache.adopt(key, attr.size, reply.hash, info, reserved=held, ram_reserved=ram_held)
         if not admitted:
             self._guesses.discard(key)
             self._stats.incr("prefetch.no_room")

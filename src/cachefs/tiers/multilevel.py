@@ -125,6 +125,12 @@ class MultiLevelCache:
         assert self.disk is not None
         return self.disk.data_dir
 
+    @property
+    def ram_fill_dir(self) -> str | None:
+        """Where fetch processes write a fill's RAM copy (the RAM tier's data directory);
+        None if RAM takes nothing."""
+        return self.ram.data_dir if self.ram.capacity > 0 else None
+
     # -- blocks -------------------------------------------------------------------------------
 
     def _failed(self, tier: Tier, exc: TierError) -> None:
@@ -376,10 +382,24 @@ class MultiLevelCache:
         if self.disk is not None:
             self.disk.unreserve(size)
 
-    def adopt(self, key: BlockKey, size: int, h: int, info: EntryInfo, reserved: int = 0) -> bool:
-        """Take the file a fetch process wrote as the entry of `key` (FileStore.adopt)."""
+    def reserve_ram(self, size: int) -> bool:
+        """Hold room in RAM for a fill's RAM copy, made by a fetch process (free room only:
+        a guess never pushes out cached data)."""
+        return self.ram.reserve(size)
+
+    def unreserve_ram(self, size: int) -> None:
+        self.ram.unreserve(size)
+
+    def adopt(self, key: BlockKey, size: int, h: int, info: EntryInfo, reserved: int = 0,
+              ram_reserved: int | None = None) -> bool:
+        """Take the file a fetch process wrote as the entry of `key` (FileStore.adopt), and
+        its RAM copy if it wrote one (`ram_reserved` not None: the room held for it, handed
+        to RAM's admission); whether either tier took it."""
         assert self.disk is not None
-        return self.disk.adopt(key, size, h, info, reserved=reserved) != "refused"
+        kept = self.disk.adopt(key, size, h, info, reserved=reserved) != "refused"
+        if ram_reserved is not None:
+            kept = self.ram.adopt(key, size, h, info, reserved=ram_reserved) != "refused" or kept
+        return kept
 
     def write_failed(self, exc: OSError) -> None:
         """A fetch process could not write into the NVMe tier: the tier's own failure."""
