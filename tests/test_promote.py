@@ -169,3 +169,21 @@ def test_a_report_counts_each_open_in_the_tier_that_holds_its_file(tmp_path):
     assert stats.get("ram.promotions") == before + 1 and _ram_bytes(cache, 2) == data
     assert cache.count_opens([(eid(2), len(data), True), (eid(1), len(data), True)]) == ["ram", "ram"]
     cache.close()
+
+
+def test_a_failed_copy_leaves_a_file_a_write_of_ram_s_own_made_meanwhile(tmp_path, monkeypatch):
+    """The copy's file is deleted when the kernel's copy fails, unless an entry of RAM's
+    own owns the path by then (a read's fill of the same file shares the file it created)."""
+    cache, _ = _cache(tmp_path)
+    data = os.urandom(5000)
+    _on_disk(cache, 1, data)
+
+    def copy_fails(src, out, size):
+        assert put(cache.ram, 1, data)          # meanwhile: RAM's own write of the same file
+        raise OSError(errno.EIO, "copy failed")
+
+    monkeypatch.setattr(promote_mod, "_kernel_copy", copy_fails)
+    assert not Promoter(cache.ram, cache.disk, Stats()).promote(eid(1))
+    assert _ram_bytes(cache, 1) == data and cache.ram.get((eid(1), 0)) == data
+    cache.ram.check()
+    cache.close()

@@ -149,7 +149,7 @@ class Promoter:
                 _kernel_copy(src, out, size)
             except OSError:
                 os.close(out)
-                os.unlink(dest)
+                ram.unadopted(eid)
                 raise
             os.close(out)
             reserved = 0

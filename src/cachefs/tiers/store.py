@@ -325,6 +325,18 @@ class FileStore:
         if current is e or current is None:
             self._unlink(e.name)
 
+    def unadopted(self, eid: bytes) -> None:
+        """Delete a file written at entry `eid`'s path for adoption that will not be adopted,
+        unless an entry of that id owns the path now (a write of its own may share the
+        file: see _abandoned)."""
+        with self._lock:
+            if self._entry(eid) is None:
+                self._fds.forget(eid.hex())
+                try:
+                    os.unlink(self.file_of(eid.hex()))
+                except OSError:
+                    pass
+
     def _unlink(self, name: str) -> None:
         """Delete an entry's file, with the tier's lock held (see _abandoned)."""
         self._fds.forget(name)
@@ -389,10 +401,7 @@ class FileStore:
             self.unreserve(reserved)
         if victims is None:
             if not writable:  # (refused by the policy, it went under the lock)
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
+                self.unadopted(eid)
             return "refused"
         self._evict(victims)
         self._stats.add_many({f"{self.name}.writes": 1, f"{self.name}.written_bytes": size})
