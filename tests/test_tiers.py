@@ -621,9 +621,19 @@ def _in_the_gap(reached, release, step) -> None:
     th.join(5)
 
 
-@pytest.mark.parametrize("tier", ["disk", "ram"])
-def test_a_dropped_file_is_unlinked_before_a_newer_entry_of_its_id_can_be_written(disk, tmp_path, monkeypatch, tier):
-    t = disk() if tier == "disk" else MemoryTier(4 << 20, Stats())
+@pytest.fixture(params=["disk", "ram"])
+def either(request, disk):
+    """An NVMe tier, then a RAM tier: the file store both are."""
+    if request.param == "disk":
+        yield disk()
+        return
+    t = MemoryTier(4 << 20, Stats())
+    yield t
+    t.close()
+
+
+def test_a_dropped_file_is_unlinked_before_a_newer_entry_of_its_id_can_be_written(either, monkeypatch):
+    t = either
     data = b"v" * 5000
     assert put(t, 1, data)
     path = t.file_of(eid(1).hex())
@@ -635,8 +645,6 @@ def test_a_dropped_file_is_unlinked_before_a_newer_entry_of_its_id_can_be_writte
     assert os.path.exists(path)                 # the drop's unlink did not take the newer file
     assert t.get((eid(1), 0)) == data
     check(t)
-    if tier == "ram":
-        t.close()
 
 
 def test_a_punched_block_is_punched_before_it_can_be_written_again(disk, monkeypatch):
@@ -654,10 +662,9 @@ def test_a_punched_block_is_punched_before_it_can_be_written_again(disk, monkeyp
     assert disk().get((eid(1), 0)) == first     # nor after a restart (a clean stop trusts the file)
 
 
-@pytest.mark.parametrize("tier", ["disk", "ram"])
-def test_a_read_that_meets_a_block_punched_meanwhile_is_a_miss_not_zeros(disk, tmp_path, monkeypatch, tier):
+def test_a_read_that_meets_a_block_punched_meanwhile_is_a_miss_not_zeros(either, monkeypatch):
     from cachefs.tiers import store
-    t = disk() if tier == "disk" else MemoryTier(4 << 20, Stats())
+    t = either
     first, second = os.urandom(BS), os.urandom(5000)
     assert put(t, 1, first, 0, size=BS + 5000) and put(t, 1, second, 1, size=BS + 5000)
     t.get((eid(1), 0))                           # (checked once: the next read is a plain one)
@@ -670,8 +677,6 @@ def test_a_read_that_meets_a_block_punched_meanwhile_is_a_miss_not_zeros(disk, t
     assert got == [None]                         # the hole read back was not served as the block
     assert t.get((eid(1), 1)) == second
     check(t)
-    if tier == "ram":
-        t.close()
 
 
 def test_disk_tier_reads_with_o_direct_where_the_filesystem_allows(disk, tmp_path):

@@ -318,12 +318,13 @@ class FileStore:
         holds nothing and nothing is being written to it, the entry goes, and the file with
         it; if the entry went already, the file the write re-created goes. Under the lock:
         a file unlinked outside it may already be a newer entry's of the same id."""
-        if current is e and (e.present or any((eid, i) in self.policy for i in range(len(e.hashes)))):
-            return
         if current is e:
+            if e.present or any((eid, i) in self.policy for i in range(len(e.hashes))):
+                return
             del self._entries[eid]
-        if current is e or current is None:
-            self._unlink(e.name)
+        elif current is not None:
+            return  # a newer entry's file: not this write's to delete
+        self._unlink(e.name)
 
     def unadopted(self, eid: bytes) -> None:
         """Delete a file written at entry `eid`'s path for adoption that will not be adopted,
@@ -331,21 +332,19 @@ class FileStore:
         file: see _abandoned)."""
         with self._lock:
             if self._entry(eid) is None:
-                self._fds.forget(eid.hex())
-                try:
-                    os.unlink(self.file_of(eid.hex()))
-                except OSError:
-                    pass
+                self._unlink(eid.hex(), counted=False)
 
-    def _unlink(self, name: str) -> None:
-        """Delete an entry's file, with the tier's lock held (see _abandoned)."""
+    def _unlink(self, name: str, counted: bool = True) -> None:
+        """Delete an entry's file, with the tier's lock held (see _abandoned); a failure
+        counts as the tier's write failure if `counted`."""
         self._fds.forget(name)
         try:
             os.unlink(self.file_of(name))
         except FileNotFoundError:
             pass
         except OSError as exc:
-            self._write_failed(exc)
+            if counted:
+                self._write_failed(exc)
 
     def reserve(self, size: int) -> bool:
         """Hold `size` bytes of the budget for a file a fetch process is about to write
