@@ -202,3 +202,71 @@ def test_a_batch_counts_as_its_files_and_readers_in_flight_take_their_places_fir
     assert ran == [1] and gate._background == 0
     with gate.background("fill_many", weight=40):   # alone, a batch larger than the limit goes
         assert gate._background == 40
+
+
+def _queue_guesses(gate, weights, order, go=None):
+    """Start a guess per weight, one at a time, each queued at the gate before the next
+    starts; each appends its index to `order` when let in, then waits for `go` if given."""
+    threads = []
+    for i, weight in enumerate(weights):
+        def guess(i=i, weight=weight):
+            with gate.background("fill_many", weight=weight):
+                order.append(i)
+                if go is not None:
+                    go.wait(10)
+        t = threading.Thread(target=guess, daemon=True)
+        t.start()
+        threads.append(t)
+        deadline = time.monotonic() + 5
+        while len(gate._waiters) < i + 1:
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.001)
+    return threads
+
+
+def test_a_guess_s_end_lets_in_the_waiting_guesses_that_fit_in_the_order_they_came():
+    """Each waiting guess is woken alone, once it fits: not every waiter at each end to
+    look for itself (a herd of wake-ups per fetch), and in the order they came."""
+    clock = FakeClock()
+    gate = SourceGate(maximum=16, start=2, idle=60.0, clock=clock)
+    with gate.demand("stat"):
+        pass                                   # demand is recent: the limit holds
+    gate.limit = 1
+    order = []
+    first = gate.background("fill", weight=1)
+    first.__enter__()
+    threads = _queue_guesses(gate, [1] * 10, order)
+    assert order == [] and gate._background == 1
+    first.__exit__(None, None, None)           # room for one: each ends and lets the next in
+    for t in threads:
+        t.join(5)
+    assert order == list(range(10))
+    assert gate._background == 0 and gate._waiters == []
+
+
+def test_only_the_guesses_that_fit_are_woken_and_a_light_one_passes_a_heavy_one():
+    clock = FakeClock()
+    gate = SourceGate(maximum=16, start=4, idle=60.0, clock=clock)
+    with gate.demand("stat"):
+        pass                                   # demand is recent: the limit holds
+    gate.limit = 4
+    held = [gate.background("fill", weight=1) for _ in range(4)]
+    for h in held:
+        h.__enter__()
+    order, go = [], threading.Event()
+    threads = _queue_guesses(gate, [4, 1, 1, 1], order, go)
+    held.pop().__exit__(None, None, None)      # room for one: the first light guess only
+    deadline = time.monotonic() + 5
+    while not order:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    time.sleep(0.05)
+    assert order == [1] and gate._background == 4
+    assert [w.weight for w in gate._waiters] == [4, 1, 1]
+    assert all(w.lock.locked() for w in gate._waiters)  # none of them woken
+    go.set()
+    for h in held:
+        h.__exit__(None, None, None)
+    for t in threads:
+        t.join(5)
+    assert sorted(order) == [0, 1, 2, 3] and gate._background == 0 and gate._waiters == []

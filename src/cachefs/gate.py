@@ -57,7 +57,8 @@ class SourceGate:
         self.grow = grow
         self._clock = clock
         self._stats = stats
-        self._cond = threading.Condition()
+        self._lock = threading.Lock()
+        self._waiters: list[_Waiter] = []  # guesses waiting for room, in the order they came
         self._background = 0
         self._demand = 0
         self._last_demand = -1e18
@@ -73,7 +74,7 @@ class SourceGate:
     @contextlib.contextmanager
     def demand(self, op: str, size: int = 0) -> Iterator[None]:
         """Around a request a reader waits for: never waits, and its latency steers the limit."""
-        with self._cond:
+        with self._lock:
             self._demand += 1
         with self._timed(op, size, demand=True):
             yield
@@ -86,23 +87,26 @@ class SourceGate:
         weakest guesses, which wait for demand to be idle whatever the limit. `weight`:
         the files one request fetches (a fetch process's batch counts as each of its
         files); one request goes whatever its weight when none is in flight."""
-
-        def full() -> bool:
-            allowed = self._allowed(idle_only)
-            return (self._background + weight > allowed and (self._background > 0 or allowed == 0)
-                    and not (urgent and urgent()))
-
-        with self._cond:
-            if full():
+        waiter = None
+        with self._lock:
+            if _fits(self._background, weight, self._allowed(idle_only)) or (urgent and urgent()):
+                self._background += weight
+            else:
                 if self._stats is not None:
                     self._stats.incr("source.background_waits")
-                while full():
-                    # Woken when the limit grows, a guess ends or one turns urgent; demand
-                    # going idle is seen by the timeout (at most `idle` late), so that the
-                    # end of each reader's request does not wake every waiting guess.
-                    left = self.idle - (self._clock() - self._last_demand)
-                    self._cond.wait(left if self._demand == 0 and left > 0 else self.idle)
-            self._background += weight
+                waiter = _Waiter(weight, idle_only, urgent)
+                self._waiters.append(waiter)
+                wait = self._wait_time()
+        if waiter is not None:
+            # Let in by _let_in (which counted it in flight), or a timeout: demand going
+            # idle is seen by the timeout (at most `idle` late), so that the end of each
+            # reader's request does not look at every waiting guess.
+            while not waiter.lock.acquire(timeout=wait):
+                with self._lock:
+                    self._let_in(urgent=True)
+                    if not waiter.waiting:
+                        break
+                    wait = self._wait_time()
         with self._timed(op, size, demand=False, weight=weight):
             yield
 
@@ -117,30 +121,56 @@ class SourceGate:
             ok = True
         finally:
             took = self._clock() - start
-            with self._cond:
+            with self._lock:
                 floor = self._floor((op, _size_class(size)), took) if ok else 0.0
                 if not demand:
                     self._background -= weight
-                    self._cond.notify_all()  # a light waiter may fit where a heavy one does not
                 else:
                     self._demand -= 1
                     self._last_demand = self._clock()
-                    before = self.limit
                     if ok:
                         self._steer(floor, took)
-                    # room grew (the limit, or one reader's place less): one waiter looks
-                    self._cond.notify(max(1, self.limit - before))
+                self._let_in()  # room grew (a guess less, a reader's place, the limit)
 
     def wake(self) -> None:
         """Something a waiting guess's urgent() reads has changed."""
-        with self._cond:
-            self._cond.notify_all()
+        with self._lock:
+            self._let_in(urgent=True)
+
+    def _wait_time(self) -> float:
+        left = self.idle - (self._clock() - self._last_demand)
+        return left if self._demand == 0 and left > 0 else self.idle
+
+    def _let_in(self, urgent: bool = False) -> None:
+        """Let in, in the order they came, the waiting guesses that fit now (lock held):
+        each is counted in flight here and woken alone. A guess's end used to wake every
+        waiting guess to look for itself (`notify_all`), and at a million files, with
+        sixteen read-ahead workers mostly waiting while the job's misses were demand,
+        those wake-ups were 15% of the daemon's CPU. `urgent`: ask each waiter's urgent()
+        too (after wake(), or a timeout; a guess turned urgent is let in by the wake()
+        that says so)."""
+        if not self._waiters:
+            return
+        allowed = self._allowed()
+        if not urgent and self._background >= allowed:
+            return  # the common case: no room (idle_only guesses are allowed no more)
+        allowed_idle = self._allowed(True)
+        left = []
+        for waiter in self._waiters:
+            if (_fits(self._background, waiter.weight, allowed_idle if waiter.idle_only else allowed)
+                    or (urgent and waiter.urgent is not None and waiter.urgent())):
+                self._background += waiter.weight
+                waiter.waiting = False
+                waiter.lock.release()
+            else:
+                left.append(waiter)
+        self._waiters = left
 
     # -- the limit -------------------------------------------------------------------------
 
     def allowed(self) -> int:
         """Background requests allowed in flight now."""
-        with self._cond:
+        with self._lock:
             return self._allowed()
 
     def _allowed(self, idle_only: bool = False) -> int:
@@ -170,6 +200,24 @@ class SourceGate:
             self._last_grow = now
             # slow start (doubling) until the first sign of congestion, then one at a time
             self.limit = min(self.maximum, self.limit * 2 if self._slow_start else self.limit + 1)
+
+
+class _Waiter:
+    """A guess at the gate: what it needs, and a lock held until it is let in."""
+
+    __slots__ = ("weight", "idle_only", "urgent", "lock", "waiting")
+
+    def __init__(self, weight: int, idle_only: bool, urgent: Callable[[], bool] | None):
+        self.weight, self.idle_only, self.urgent = weight, idle_only, urgent
+        self.lock = threading.Lock()
+        self.lock.acquire()
+        self.waiting = True
+
+
+def _fits(background: int, weight: int, allowed: int) -> bool:
+    """Whether a guess of `weight` fits beside `background` in flight: one goes whatever its
+    weight when none is in flight."""
+    return background + weight <= allowed or (background == 0 and allowed > 0)
 
 
 def _size_class(size: int) -> int:
