@@ -1,6 +1,7 @@
 import errno
 import random
 import threading
+import time
 
 import pytest
 from hypothesis import given, settings
@@ -380,6 +381,10 @@ def test_warm_stops_when_the_cache_is_full_and_says_so(source):
     core, p = make_ra_core(source, readahead="off", ram=3 * BS, block_size=BS)
     job = warming.start(core, ["/ds"])
     run_until_idle(p)
+    deadline = time.monotonic() + 10
+    while not job.progress()["total_known"]:  # the total is counted by a thread of its own
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     prog = job.progress()
     assert prog["state"] == "no_room"
     assert prog["files_loaded"] == 3 and prog["files_total"] == 10
