@@ -401,6 +401,39 @@ def test_a_stop_is_seen_while_the_main_thread_still_runs(table):
         child.wait()
 
 
+def test_a_sigstop_no_thread_has_taken_yet_counts_while_the_main_thread_sleeps(table):
+    """The kernel hands a process's SIGSTOP to one of its threads; while that one is busy
+    in the kernel, the main thread sleeps on (S) with the stop pending (ShdPnd). A serving
+    process that trusted the sleeping main thread forwarded a request into the stop."""
+    k = FakeKernel(table)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        k.server.main_pid = child.pid
+        time.sleep(0.2)
+        assert not k.server.main_stopped()  # asleep, nothing pending: real /proc
+        status = open(f"/proc/{child.pid}/status", "rb").read()
+        assert b"\nShdPnd:\t0000000000000000\n" in status
+        pending = status.replace(b"ShdPnd:\t0000000000000000", b"ShdPnd:\t%016x" % (1 << (signal.SIGSTOP - 1)))
+        other = status.replace(b"ShdPnd:\t0000000000000000", b"ShdPnd:\t%016x" % (1 << (signal.SIGUSR1 - 1)))
+        k.server._stat_fd = os.open("/dev/null", os.O_RDONLY)
+        for shown, stopped in ((pending, True), (other, False), (status, False)):
+            with mock.patch("os.pread", return_value=b"%d (python) S 1 2 3" % child.pid), \
+                    mock.patch("builtins.open", lambda path, mode="r", *a, shown=shown, **kw: io.BytesIO(shown)):
+                assert k.server.main_stopped() is stopped
+        os.close(k.server._stat_fd)
+        k.server._stat_fd = -1
+        os.kill(child.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while not k.server.main_stopped() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert k.server.main_stopped()  # stopped: real /proc
+        os.kill(child.pid, signal.SIGCONT)
+    finally:
+        k.close()
+        child.kill()
+        child.wait()
+
+
 class FakeSession:
     """What the file system asks of a session for passthrough: backing ids, and whether
     its serving processes are alive."""

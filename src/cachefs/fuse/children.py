@@ -38,14 +38,28 @@ def _state(stat: bytes) -> bytes:
 
 def parent_stopped(pid: int, stat: bytes) -> bool:
     """Whether process `pid` (`stat`: its /proc/<pid>/stat, just read) is stopped: T, or t
-    under a debugger. A stop that reached another thread first counts: the main thread
-    shows T only once it runs again, which under load or after a long disk wait takes long
-    enough for a serving process to read a request and forward it into the stop, where its
-    caller could no longer be killed. An asleep main thread is not on its way to a stop (a
-    stop wakes it first)."""
+    under a debugger. A stop on its way counts too:
+
+    - a SIGSTOP no thread has taken yet (/proc/<pid>/status, ShdPnd). The kernel hands it
+      to one thread, and while that one is busy in the kernel (a disk wait, at a start)
+      the others, the main thread among them, sleep on: a serving process that trusted an
+      asleep main thread forwarded a request into the stop, where its caller could no
+      longer be killed (a mounted test hung so in CI, 0.4 s after the daemon started);
+    - a stop that reached another thread first: the main thread shows T only once it
+      runs again, which under load or after a long disk wait takes long enough for a
+      serving process to read a request and forward it into the stop.
+
+    Once a thread has taken the SIGSTOP it wakes every other one: an asleep main thread
+    with no SIGSTOP pending is not on its way to a stop."""
     state = _state(stat)
     if state in (b"T", b"t"):
         return True
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            if stop_pending(f.read()):
+                return True
+    except OSError:
+        return False
     if state == b"S":
         return False
     try:
@@ -60,3 +74,15 @@ def parent_stopped(pid: int, stat: bytes) -> bool:
         except OSError:
             continue
     return False
+
+
+def stop_pending(status: bytes) -> bool:
+    """Whether a /proc/<pid>/status names a SIGSTOP sent to the process and not yet taken
+    by any of its threads (the shared pending set, ShdPnd)."""
+    start = status.find(b"\nShdPnd:")
+    if start < 0:
+        return False
+    try:
+        return bool(int(status[start + 8:status.index(b"\n", start + 1)], 16) & (1 << (signal.SIGSTOP - 1)))
+    except ValueError:
+        return False
