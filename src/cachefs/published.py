@@ -328,10 +328,7 @@ class Published:
         that is next to nothing, and each file read ahead cost this process its lookup
         and its open."""
         directory = path.rpartition("/")[0] or "/"
-        if self._table is None or self._ahead_queue.qsize() >= AHEAD_QUEUED:
-            return
-        # (a directory the job looked a file up in before it was listed is in the second)
-        if directory in self._ahead_seen or directory in self._ahead_unlisted:
+        if self._table is not None and directory in self._ahead_seen and self._ahead_queue.qsize() < AHEAD_QUEUED:
             self._ahead_queue.put(("file", path))
 
     def _publish_landed(self, path: str) -> None:
