@@ -708,63 +708,6 @@ def test_a_directory_s_cached_files_are_published_ahead_of_their_first_lookup(tm
         table.close()
 
 
-def test_a_file_read_ahead_in_a_directory_the_job_reads_is_published_as_it_lands(tmp_path):
-    """Directory read-ahead tells the file system of each file it fetched: in a directory
-    the job looks files up in, the file's name and node are published then (by the ahead
-    thread), so that the job's first lookup and open of it are the serving processes';
-    elsewhere nothing is queued."""
-    from cachefs.config import Config
-    from cachefs.fs import CachefsFS
-    from cachefs.fuse.ops import Request
-    from cachefs.memsource import MemorySource
-    from cachefs.nodes import Backings
-    from cachefs.prefetch import Prefetcher
-    from tests.helpers import make_core
-
-    source = MemorySource()
-    for d in ("/d", "/e"):
-        source.add_dir(d)
-        for i in range(3):
-            source.add_file(f"{d}/f{i}", b"y" * (i + 1))
-    core = make_core(source, prefetcher=Prefetcher(workers=0), readahead="dir")  # tasks run by hand
-    fs = CachefsFS(core, Config(source="/src", mountpoint="/mnt", cache_dir=str(tmp_path)))
-    fs.session = FakeSession()  # type: ignore[assignment]
-    fs._backings = Backings(fs.session, 100)  # type: ignore[arg-type]
-    fs._table = table = ServeTable.create(capacity=1024, processes=1, names=16)
-    fs._ahead_seen.add("/d")  # the job looks files up in /d (its publishing ahead: not this test's)
-    req = Request(1, 1, 0, 0, 1)
-    assert fs.core.dir_readahead is not None and fs.core.dir_readahead.landed == fs._landed
-    try:
-        d = p.ENTRY_OUT.unpack_from(fs.lookup(req, 1, b"d"))[0]
-        p.ENTRY_OUT.unpack_from(fs.lookup(req, 1, b"e"))
-        f0 = p.ENTRY_OUT.unpack_from(fs.lookup(req, d, b"f0"))[0]
-        fs.core.dir_readahead.touch_many(["/d/f0", "/e/f0"])  # the job read f0 in each
-        fetched = []
-        while (task := fs.core.dir_readahead()) is not None:
-            fetched.append(task[0])
-            task[1]()
-        assert sorted(fetched) == ["/d/f1", "/d/f2", "/e/f1", "/e/f2"]
-        queued = []
-        while not fs._ahead_queue.empty():
-            queued.append(fs._ahead_queue.get_nowait())
-        assert queued == [("file", "/d/f1"), ("file", "/d/f2")]  # /e: not a directory the job reads here
-        for _, path in queued:
-            fs._publish_landed(path)
-        now = time.monotonic_ns()
-        for name, size in ((b"f1", 2), (b"f2", 3)):
-            nodeid = table.entry(d, name, now)[0]  # type: ignore[index]
-            assert nodeid not in (0, f0) and fs.nodes.version(nodeid).size == size  # type: ignore[union-attr]
-            assert table.slots[nodeid] and fs._opens[nodeid].published
-        assert fs.core.stats.snapshot()["serve"]["published_ahead"] == 2
-        fs._publish_landed("/d/f1")  # twice: nothing more
-        assert fs.core.stats.snapshot()["serve"]["published_ahead"] == 2
-        fs.forget(d, 1)  # the kernel forgot /d: still pinned by its names
-        assert fs.nodes.path(d) == "/d"
-    finally:
-        fs._table = None
-        table.close()
-
-
 def test_the_serving_loop_benchmark_gets_a_reply_to_every_request():
     """tools/servebench.py feeds the serving loop opens (and lookups) through a socket pair:
     every request gets the reply a serving process gives it (the published entry, the

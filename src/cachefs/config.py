@@ -78,9 +78,6 @@ NODE_TABLE_CAPACITY = 1 << 24
 # and done again: a published name is skipped).
 AHEAD_ROOM = 8192
 AHEAD_DIRS_MAX = 100_000
-# Files directory read-ahead fetched, waiting to be published one by one (_landed): more
-# are left to their first lookup.
-AHEAD_QUEUED = 4096
 
 # Metadata TTL (seconds) for stat results and directory listings, in cachefs and in the
 # kernel. Training data sets are immutable while a job runs; an hour keeps a whole epoch

@@ -48,7 +48,6 @@ class DirReadahead:
         self._seen: OrderedDict[str, None] = OrderedDict()  # dirs taken on (bounded)
         self._max_dirs = max_dirs
         self.full = False  # every tier is full: stop guessing until there is room again
-        self.landed: Callable[[str], None] | None = None  # told of each file fetched (see Published._landed)
 
     def touch_many(self, paths: Iterable[str]) -> None:
         """Files read (or opened) in their directories: each directory not taken on yet is,
@@ -125,19 +124,12 @@ class DirReadahead:
     def _fetch_batch(self, paths: list[str]) -> None:
         for path, small in zip(paths, self._fills.fill_many(paths), strict=True):
             outcome, _ = small if small is not None else self._prefetch_file(path, self._max_file_blocks)
-            if not self._fetched(path, outcome):
+            if outcome == "no_room":
+                self.full = True
                 return
 
     def _fetch(self, path: str) -> None:
         small = self._fills.fill(path) if self._fills_to_disk() else None
         outcome, _ = small if small is not None else self._prefetch_file(path, self._max_file_blocks)
-        self._fetched(path, outcome)
-
-    def _fetched(self, path: str, outcome: str) -> bool:
-        """After the fetch of `path`: whether read-ahead goes on."""
-        if outcome == "fetched" and self.landed is not None:
-            self.landed(path)
         if outcome == "no_room":
             self.full = True
-            return False
-        return True

@@ -146,12 +146,10 @@ class CachefsFS(Published, Operations):
         self._reaper: threading.Thread | None = None
         self._ahead_seen: set[str] = set()
         self._ahead_unlisted: set[str] = set()
-        self._ahead_queue: queue.SimpleQueue[str | tuple[str, str] | None] = queue.SimpleQueue()
+        self._ahead_queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._ahead_thread: threading.Thread | None = None
         self._ahead_stopped = False
         core.hooks.connect(on_source_changed=self._source_changed)
-        if core.dir_readahead is not None:
-            core.dir_readahead.landed = self._landed
 
     def _out_of_descriptors(self, exc: OSError) -> None:
         given = trim_descriptors()

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cachefs.config import AHEAD_DIRS_MAX, AHEAD_QUEUED, AHEAD_ROOM
+from cachefs.config import AHEAD_DIRS_MAX, AHEAD_ROOM
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import NAME_MAX, ServeTable, decode_report
 from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
@@ -52,7 +52,7 @@ class Published:
     # Directories whose cached files are published ahead (see _publish_dir)
     _ahead_seen: set[str]
     _ahead_unlisted: set[str]  # directories found with no listing in memory or kept
-    _ahead_queue: queue.SimpleQueue[str | tuple[str, str] | None]  # a directory, ("file", path)
+    _ahead_queue: queue.SimpleQueue[str | None]
     _ahead_thread: threading.Thread | None
     _ahead_stopped: bool
     _node_lock: Callable[..., contextlib.AbstractContextManager[None]]
@@ -242,17 +242,13 @@ class Published:
         # opens of cache files wait on the disk) fought over that lock and cost more CPU
         # per file than one.
         while True:
-            item = self._ahead_queue.get()
-            if item is None:
+            directory = self._ahead_queue.get()
+            if directory is None:
                 return
             try:
-                if isinstance(item, tuple):
-                    self._publish_landed(item[1])
-                else:
-                    self._publish_dir(item)
+                self._publish_dir(directory)
             except Exception:
-                what = item if isinstance(item, str) else item[1]
-                log.exception("publishing the cached files of %s ahead failed", what)
+                log.exception("publishing the cached files of %s ahead failed", directory)
 
     def _publish_dir(self, directory: str) -> int:
         """Publish the names and nodes of the cached files in `directory` before the kernel
@@ -281,10 +277,29 @@ class Published:
                 if self._ahead_stopped or len(self._named) >= self._name_limit - AHEAD_ROOM:
                     missed += 1
                     break
-                if stat_mod.S_ISREG(e.type_mode):
-                    done = self._publish_ahead(parent, prefix + e.name, e.name.encode(FS_ENCODING, FS_ERRORS))
-                    published += done is True
-                    missed += done is None
+                name = e.name.encode(FS_ENCODING, FS_ERRORS)
+                if not stat_mod.S_ISREG(e.type_mode) or len(name) > NAME_MAX:
+                    continue
+                path = prefix + e.name
+                known = self.nodes.id_of(path)
+                if known is not None and known in self._named:
+                    continue
+                a = self.core.known_attr(path, count=False)
+                if a is None or not a.is_file or not a.size:
+                    missed += a is None
+                    continue
+                nodeid = self.nodes.pin_ahead(path, a)
+                if nodeid is None:
+                    continue
+                try:
+                    if self._publish_known(nodeid, FileId.of(path, a), False, register=True):
+                        self._publish_name(nodeid, parent, name, path, a, self._packed_entry(nodeid, a))
+                        published += nodeid in self._named
+                    else:
+                        missed += 1
+                finally:
+                    if self.nodes.unpin(nodeid):
+                        self._forgotten(nodeid)
         finally:
             if self.nodes.unpin(parent):
                 self._forgotten(parent)
@@ -292,58 +307,6 @@ class Published:
         if not missed and self.core.dir_readahead is not None:
             self.core.dir_readahead.covered(directory)  # nothing to fetch or check ahead there
         return published
-
-    def _publish_ahead(self, parent: int, path: str, name: bytes) -> bool | None:
-        """Publish the name and node of the cached file `path` (its directory's node
-        `parent`, pinned by the caller) before the kernel looks it up: True if published
-        here, False if there was nothing to do (published already, a name too long,
-        another version's node, not a file), None if it could not be (not cached whole,
-        its attributes not known)."""
-        if len(name) > NAME_MAX:
-            return False
-        known = self.nodes.id_of(path)
-        if known is not None and known in self._named:
-            return False
-        a = self.core.known_attr(path, count=False)
-        if a is None or not a.is_file or not a.size:
-            return None if a is None else False
-        nodeid = self.nodes.pin_ahead(path, a)
-        if nodeid is None:
-            return False
-        try:
-            if not self._publish_known(nodeid, FileId.of(path, a), False, register=True):
-                return None
-            self._publish_name(nodeid, parent, name, path, a, self._packed_entry(nodeid, a))
-            return nodeid in self._named
-        finally:
-            if self.nodes.unpin(nodeid):
-                self._forgotten(nodeid)
-
-    def _landed(self, path: str) -> None:
-        """Directory read-ahead fetched `path` (in a prefetch thread): in a directory whose
-        files the job reads, the file is published as it lands (by the ahead thread), so
-        that the job's first lookup and open of it are the serving processes'. Publishing
-        a directory ahead at the job's first lookup there finds only what is cached by
-        then; in a cold epoch, whose first lookups reach every directory at its start,
-        that is next to nothing, and each file read ahead cost this process its lookup
-        and its open."""
-        directory = path.rpartition("/")[0] or "/"
-        if self._table is not None and directory in self._ahead_seen and self._ahead_queue.qsize() < AHEAD_QUEUED:
-            self._ahead_queue.put(("file", path))
-
-    def _publish_landed(self, path: str) -> None:
-        if self._ahead_stopped or len(self._named) >= self._name_limit - AHEAD_ROOM:
-            return
-        directory, _, name = path.rpartition("/")
-        parent = self.nodes.pin_ahead(directory or "/")
-        if parent is None:
-            return  # the kernel forgot the directory: published at its next lookup there
-        try:
-            if self._publish_ahead(parent, path, name.encode(FS_ENCODING, FS_ERRORS)):
-                self.core.stats.incr("serve.published_ahead")
-        finally:
-            if self.nodes.unpin(parent):
-                self._forgotten(parent)
 
     def _reap_loop(self) -> None:
         """What to take back from the serving processes: nodes forgotten by the kernel

@@ -224,29 +224,6 @@ def test_serving_processes_answer_lookups_after_the_kernel_forgot_the_names(tmp_
     epoch(mp, data, 5)
 
 
-def test_files_read_ahead_where_the_job_reads_are_the_serving_processes_from_their_first_open(tmp_path, mounts):
-    """A cold job reads a file of a directory: directory read-ahead fetches the others, and
-    each is published to the serving processes as it lands, so that the job's first lookup,
-    open and release of it are theirs, not the daemon's. The bytes are the source's."""
-    src = tmp_path / "src"
-    data = make_tree(src, dirs=1, files=40)
-    mp = passthrough_mount(mounts, src, "--serve-processes", "1", "--readahead", "dir")
-    first = sorted(data)[0]
-    assert (mp / first).read_bytes() == data[first]  # the daemon's lookup and open
-    landed = sum(1 for rel, blob in data.items() if blob and rel != first)
-    deadline = time.monotonic() + 20
-    while stats(mp)["serve"]["published_ahead"] < landed and time.monotonic() < deadline:
-        time.sleep(0.05)
-    before = stats(mp)
-    assert before["serve"]["published_ahead"] == landed and before["serve"]["published"] >= landed
-    epoch(mp, data, 1)
-    after = stats(mp)
-    assert after["serve"]["answered"] - before["serve"]["answered"] >= 3 * landed  # a lookup, an open, a release
-    # the daemon's: the first file's open and release, and the empty files
-    assert after["serve"]["forwarded"] - before["serve"]["forwarded"] <= 3 * (len(data) - landed) + 4
-    assert after["fuse"].get("errors", 0) == 0
-
-
 def test_after_a_remount_the_cached_files_of_a_directory_are_the_serving_processes_from_their_first_open(
         tmp_path, mounts):
     """A remounted job lists its tree and looks a file up: the other cached files of that
