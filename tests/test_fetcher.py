@@ -106,12 +106,18 @@ def test_a_killed_fetch_process_is_reaped_at_once_and_started_again(pool):
     assert "stored" in replies and replies[-1] in ("stored", "exists") and fetchers.channels == 2
 
 
-def test_the_core_adopts_what_they_write_and_does_the_work_itself_without_them(tmp_path):
+def _jpegs(tmp_path, n):
+    """A source tree of `n` small files in /d: its root and {name: bytes}."""
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)
-    files = {f"/d/{i}.jpg": os.urandom(10_000 + i) for i in range(6)}
+    files = {f"/d/{i}.jpg": os.urandom(10_000 + i) for i in range(n)}
     for name, data in files.items():
         (src / name.lstrip("/")).write_bytes(data)
+    return src, files
+
+
+def test_the_core_adopts_what_they_write_and_does_the_work_itself_without_them(tmp_path):
+    src, files = _jpegs(tmp_path, 6)
     disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
     core = make_core(LocalSource(str(src)), disk=disk, block_size=BS)
     core.hooks.connect(passthrough=True)  # as the file system does at INIT
@@ -140,11 +146,7 @@ def test_a_fill_is_taken_by_ram_at_once_while_ram_has_room(tmp_path, batch):
     """The fetch process writes a RAM copy of a fill RAM has free room for: RAM takes it
     at the fill (no promotion behind a later open), within its budget; the rest are
     NVMe's alone, and nothing is left in RAM's directory that RAM did not take."""
-    src = tmp_path / "src"
-    (src / "d").mkdir(parents=True)
-    files = {f"/d/{i}.jpg": os.urandom(10_000 + i) for i in range(8)}
-    for name, data in files.items():
-        (src / name.lstrip("/")).write_bytes(data)
+    src, files = _jpegs(tmp_path, 8)
     disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
     core = make_core(LocalSource(str(src)), ram=3 * 12_288, disk=disk, block_size=BS)
     core.hooks.connect(passthrough=True)

@@ -146,7 +146,7 @@ class SourceGate:
         each is counted in flight here and woken alone. A guess's end used to wake every
         waiting guess to look for itself (`notify_all`), and at a million files, with
         sixteen read-ahead workers mostly waiting while the job's misses were demand,
-        those wake-ups were 15% of the daemon's CPU. `urgent`: ask each waiter's urgent()
+        those wake-ups were 13-15% of the daemon's interpreter time. `urgent`: ask each waiter's urgent()
         too (after wake(), or a timeout; a guess turned urgent is let in by the wake()
         that says so)."""
         if not self._waiters:
