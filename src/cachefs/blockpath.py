@@ -336,11 +336,12 @@ class BlockPath:
         self._stats.add_many(served)
         return found, None
 
-    def count_opens(self, fids: list[FileId]) -> list[bool]:
+    def count_opens(self, fids: list[FileId], eids: list[bytes | None] | None = None) -> list[bool]:
         """Opens the serving processes passed through (their reports): each file's blocks
         count as hits of the tier its copy is in, as open_file counts them, in one stats
         update, and a file on NVMe is promoted into RAM as at open_file. Whether each file
-        is in RAM now."""
+        is in RAM now. `eids`, where given, are the files' entry ids (the daemon keeps each
+        published node's): one is computed (a hash of the path) only where it is None."""
         add: dict[str, int] = {}
         in_ram = []
         if self._touch_many is not None:
@@ -348,27 +349,35 @@ class BlockPath:
         # promoted as at open_file: not a file fetched ahead at its first open (an eid seen
         # earlier in the report was heard then, and is no guess any more)
         guesses, most, seen = self._guesses, self.whole_file_max, set()
-        eids, opens = [], []
-        for fid in fids:
-            eid = entry_id(self.namespace, fid, self.block_size)
-            eids.append(eid)
-            opens.append((eid, fid.size, 0 < fid.size <= most and (eid in seen or (eid, 0) not in guesses)))
+        namespace, block_size = self.namespace, self.block_size
+        given = eids if eids is not None else [None] * len(fids)
+        ids = [entry_id(namespace, fid, block_size) if eid is None else eid
+               for fid, eid in zip(fids, given, strict=True)]
+        opens = []
+        for fid, eid in zip(fids, ids, strict=True):
+            size = fid.size
+            opens.append((eid, size, 0 < size <= most and (eid in seen or not guesses or (eid, 0) not in guesses)))
             seen.add(eid)
         tiers = self._cache.count_opens(opens)
-        for eid, fid, tier in zip(eids, fids, tiers, strict=True):
+        counts = {"ram": [0, 0], "disk": [0, 0]}  # tier -> [blocks hit, bytes served]
+        for eid, fid, tier in zip(ids, fids, tiers, strict=True):
             if tier is None:
                 in_ram.append(False)
                 continue
-            n = block_count(fid.size, self.block_size)
-            keys = ("ram.hits", "ram.served_bytes") if tier == "ram" else ("disk.hits", "disk.served_bytes")
-            add[keys[0]] = add.get(keys[0], 0) + n
-            add[keys[1]] = add.get(keys[1], 0) + fid.size
-            if tier != "ram":
-                add["ram.misses"] = add.get("ram.misses", 0) + n
+            n = block_count(fid.size, block_size)
+            count = counts[tier]
+            count[0] += n
+            count[1] += fid.size
             if self._guesses or self._observers:
                 for index in range(n):
                     self._heard((eid, index))
             in_ram.append(tier != "disk")
+        for tier, (n, size) in counts.items():
+            if n or size:
+                add[f"{tier}.hits"] = n
+                add[f"{tier}.served_bytes"] = size
+        if counts["disk"][0]:
+            add["ram.misses"] = counts["disk"][0]
         self._stats.add_many(add)
         return in_ram
 

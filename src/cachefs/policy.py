@@ -156,22 +156,31 @@ class Policy:
 
     def hit(self, key: Hashable) -> None:
         """A read found `key` in the tier."""
-        entry = self._entries.get(key)
+        # Counted once per file a serving process opened (a whole epoch's worth in the
+        # daemon's counting of their reports), so the common path is kept to plain steps:
+        # _access and __len__ inlined, the attributes read once.
+        entries = self._entries
+        entry = entries.get(key)
         if entry is None:
             if not self._held(key):
                 self.miss()
                 return
-            entry = self._entries[key]
-        self._access(1)
-        size, last, _ = entry
-        reuse = self._tick - last
-        self._entries[key] = (size, self._tick, self._clock())
-        self._entries.move_to_end(key)
-        if key in self._unread:
-            self._unread.discard(key)  # fetched ahead, now read: a first read, no reuse
+            entry = entries[key]
+        self._tick = tick = self._tick + 1
+        self._window_hits += 1
+        self._window_accesses += 1
+        if self._window_accesses >= self._window_length:
+            self._end_window()
+        reuse = tick - entry[1]
+        entries[key] = (entry[0], tick, self._clock())
+        entries.move_to_end(key)
+        unread = self._unread
+        if unread and key in unread:
+            unread.discard(key)  # fetched ahead, now read: a first read, no reuse
             return
-        held = len(self)
-        if reuse < max(REUSE_MIN, REUSE_MIN_SHARE * held):
+        cold = self._cold
+        held = len(entries) + (cold.count if cold is not None else 0)
+        if reuse < REUSE_MIN or reuse < REUSE_MIN_SHARE * held:
             return  # a re-read within one pass (a block read in pieces, two readers at once)
         self._hits_seen += 1
         # averaged over about four passes over the tier's entries: within one epoch, early

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from cachefs.blocks import ENTRY_ID_SIZE
 from cachefs.config import AHEAD_DIRS_MAX, AHEAD_ROOM
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import NAME_MAX, ServeTable, decode_report
@@ -394,15 +395,24 @@ class Published:
         add["serve.answered"] = sum(n for n, _ in counts.values())
         add["metadata.hits"] = counts["lookup"][0] + counts["getattr"][0]
         self.core.stats.add_many(add)
-        states, fids = [], []
+        states: list[NodeOpen | None] = []
+        fids: list[FileId] = []
+        eids: list[bytes | None] = []
+        get_state = self._opens.get
         for nodeid in opened:
-            state = self._opens.get(nodeid)
+            state = get_state(nodeid)
+            if state is not None and state.published:
+                states.append(state)
+                fids.append(state.fid)
+                eids.append(state.eid[:ENTRY_ID_SIZE])  # its copy's key: the entry id (+ "r" in RAM)
+                continue
             fid = state.fid if state is not None else self.nodes.file_id(nodeid)  # taken back since
             if fid is not None:
                 states.append(state)
                 fids.append(fid)
+                eids.append(None)
         try:
-            in_ram = self.core.count_opens(fids)
+            in_ram = self.core.count_opens(fids, eids)
         except Exception as exc:  # counting only: it never fails a reader
             log.warning("counting %d opens the serving processes answered failed: %s", len(fids), exc)
             return

@@ -526,14 +526,20 @@ class FileStore:
         here would; for each, whether it was. The lock is taken once per 32 (an entry
         restored from the table is read in under it, and other users wait meanwhile)."""
         found: list[bool] = []
+        entry_of, hit = self._entry, self.policy.hit
         for at in range(0, len(eids), 32):
             with self._lock:
-                usable = self._usable()
+                if not self._usable():
+                    found += [False] * len(eids[at:at + 32])
+                    continue
                 for eid in eids[at:at + 32]:
-                    e = self._entry(eid) if usable else None
-                    if e is not None and e.complete:
-                        self._hit_blocks(eid, e)
-                    found.append(e is not None and e.complete)
+                    e = entry_of(eid)
+                    if e is not None and e.present == len(e.hashes):  # Entry.complete
+                        for i in range(len(e.hashes)):
+                            hit((eid, i))
+                        found.append(True)
+                    else:
+                        found.append(False)
         return found
 
     def needs_check(self, eid: bytes) -> bool:
