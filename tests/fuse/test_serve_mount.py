@@ -73,6 +73,7 @@ def test_serving_processes_answer_the_opens_of_cached_files_and_count_them(tmp_p
     assert hits == 2 * cached  # every file is one block
     assert third["fuse"]["read"] == first["fuse"]["read"]  # the kernel read the cached files itself
     assert third["fuse"].get("errors", 0) == 0
+    assert "Warning" not in (tmp_path / "cache" / "cachefs.log").read_text()  # the serving processes' starts
 
 
 def test_a_killed_serving_process_leaves_the_mount_serving(tmp_path, mounts):

@@ -58,6 +58,9 @@ _NO_REPLY = frozenset({p.FORGET, p.BATCH_FORGET, p.INTERRUPT})
 MAX_REPLY_PARTS = 16
 
 
+SERVE_MAIN = "from cachefs.fuse.serve import main; raise SystemExit(main())"  # a serving process
+
+
 class Session(Handlers):
     """Serves one mounted FUSE connection until it is unmounted.
 
@@ -259,7 +262,10 @@ class Session(Handlers):
         table = ServeTable.create(capacity, count, names)
         env = child_env()
         for index, fd in enumerate(fds):
-            cmd = [sys.executable, "-m", "cachefs.fuse.serve", "--index", str(index), "--fuse-fd", str(fd),
+            # (not `-m cachefs.fuse.serve`: this package imports that module first, and runpy
+            # then ran it a second time as __main__, with a RuntimeWarning in the log at
+            # every start)
+            cmd = [sys.executable, "-c", SERVE_MAIN, "--index", str(index), "--fuse-fd", str(fd),
                    "--table-fd", str(table.fd), "--forward-fd", str(self._tx.fileno()),
                    "--bufsize", str(self._bufsize), "--parent", str(os.getpid())]
             proc = subprocess.Popen(cmd, pass_fds=[fd, table.fd, self._tx.fileno()], stdin=subprocess.DEVNULL,
