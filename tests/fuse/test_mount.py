@@ -884,7 +884,11 @@ def test_counters_exactly_first_read_misses_second_read_hits(tmp_path, mounts):
         s2 = stats(mp)
         assert s2["ram"]["hits"] == 4 and s2["fuse"]["read"] == 0
     else:
-        assert s2["ram"]["hits"] == 4 and s2["ram"]["misses"] == 4
+        # every read of the second pass found its block in RAM: no miss more. A hit is
+        # counted per read per block, and how the kernel cuts the file into reads after
+        # dropping its cache is its own (4 in most runs; 5 once in CI, one read across a
+        # block boundary)
+        assert s2["ram"]["misses"] == 4 and s2["ram"]["hits"] >= 4
     assert s2["ram"]["served_bytes"] == len(data)
 
 
