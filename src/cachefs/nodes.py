@@ -182,6 +182,11 @@ class Backings:
         return eid, Backings.ram_key(eid)
 
     @staticmethod
+    def entry_of(key: bytes) -> bytes:
+        """The entry id a key stands for, whichever copy (see key)."""
+        return key[:ENTRY_ID_SIZE]
+
+    @staticmethod
     def in_ram(key: bytes) -> bool:
         """Whether `key` stands for a RAM copy (an entry id is ENTRY_ID_SIZE bytes)."""
         return len(key) > ENTRY_ID_SIZE

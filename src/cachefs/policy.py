@@ -156,9 +156,6 @@ class Policy:
 
     def hit(self, key: Hashable) -> None:
         """A read found `key` in the tier."""
-        # Counted once per file a serving process opened (a whole epoch's worth in the
-        # daemon's counting of their reports), so the common path is kept to plain steps:
-        # _access and __len__ inlined, the attributes read once.
         entries = self._entries
         entry = entries.get(key)
         if entry is None:
@@ -166,11 +163,8 @@ class Policy:
                 self.miss()
                 return
             entry = entries[key]
-        self._tick = tick = self._tick + 1
-        self._window_hits += 1
-        self._window_accesses += 1
-        if self._window_accesses >= self._window_length:
-            self._end_window()
+        self._access(1)
+        tick = self._tick
         reuse = tick - entry[1]
         entries[key] = (entry[0], tick, self._clock())
         entries.move_to_end(key)
@@ -178,8 +172,7 @@ class Policy:
         if unread and key in unread:
             unread.discard(key)  # fetched ahead, now read: a first read, no reuse
             return
-        cold = self._cold
-        held = len(entries) + (cold.count if cold is not None else 0)
+        held = len(self)
         if reuse < REUSE_MIN or reuse < REUSE_MIN_SHARE * held:
             return  # a re-read within one pass (a block read in pieces, two readers at once)
         self._hits_seen += 1

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cachefs.blocks import ENTRY_ID_SIZE
 from cachefs.config import AHEAD_DIRS_MAX, AHEAD_ROOM
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import NAME_MAX, ServeTable, decode_report
@@ -404,7 +403,7 @@ class Published:
             if state is not None and state.published:
                 states.append(state)
                 fids.append(state.fid)
-                eids.append(state.eid[:ENTRY_ID_SIZE])  # its copy's key: the entry id (+ "r" in RAM)
+                eids.append(Backings.entry_of(state.eid))
                 continue
             fid = state.fid if state is not None else self.nodes.file_id(nodeid)  # taken back since
             if fid is not None:

@@ -526,7 +526,7 @@ class FileStore:
         here would; for each, whether it was. The lock is taken once per 32 (an entry
         restored from the table is read in under it, and other users wait meanwhile)."""
         found: list[bool] = []
-        entry_of, hit = self._entry, self.policy.hit
+        entry_of = self._entry
         for at in range(0, len(eids), 32):
             with self._lock:
                 if not self._usable():
@@ -534,9 +534,8 @@ class FileStore:
                     continue
                 for eid in eids[at:at + 32]:
                     e = entry_of(eid)
-                    if e is not None and e.present == len(e.hashes):  # Entry.complete
-                        for i in range(len(e.hashes)):
-                            hit((eid, i))
+                    if e is not None and e.complete:
+                        self._hit_blocks(eid, e)
                         found.append(True)
                     else:
                         found.append(False)
