@@ -14,7 +14,7 @@ LAYERS = [
     ("foundation", {"errors", "identity", "config", "stats", "directio", "acl", "blocks", "policy", "readahead",
                     "hooks", "__init__"}),
     ("fuse protocol", {"fuse", "fuse.kernel", "fuse.protocol", "fuse.ops", "fuse.session", "fuse.serve",
-                       "fuse.children"}),
+                       "fuse.servetable", "fuse.children"}),
     ("job side", {"hintclient", "mounttable", "torch", "pipeline", "diagnose"}),
     ("tiers and sources", {"tiers", "tiers.layout", "tiers.index", "tiers.entry", "tiers.store", "tiers.table",
                            "tiers.restored", "tiers.memory", "tiers.disk", "tiers.checks", "tiers.shared",
@@ -23,14 +23,15 @@ LAYERS = [
     ("core parts", {"metadata", "listahead", "listings", "blockpath", "fetcher", "fills", "dirahead"}),
     ("core", {"core"}),
     ("features", {"hints", "warm", "coverage", "control", "metrics"}),
-    ("file system", {"nodes", "published", "fs"}),
+    ("file system", {"nodes", "published", "tablenodes", "serving", "fs"}),
     ("daemon and command line", {"daemon", "validate", "mount", "watch", "options", "cli", "mounthelper",
                                  "__main__"}),
 ]
 RANK = {m: i for i, (_, mods) in enumerate(LAYERS) for m in mods}
 # What modules outside cachefs/tiers/ may import of it: the composite cache (the one door),
-# the tier protocol, the builder, and the store's layout (fetch processes write entry files).
-TIER_DOORS = {"tiers", "tiers.multilevel", "tiers.build", "tiers.layout"}
+# the tier protocol, the builder, the store's layout (fetch processes write entry files),
+# and the entry table's format (serving processes read it, cachefs/serving.py).
+TIER_DOORS = {"tiers", "tiers.multilevel", "tiers.build", "tiers.layout", "tiers.table"}
 
 
 def _module(path: pathlib.Path) -> str:

@@ -23,16 +23,15 @@ import pytest
 
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import (
-    ANSWERED,
     MAIN_CHECK,
     MAX_FORWARDED,
     OWN_FH,
     REPORT,
     REPORT_EVERY,
     Server,
-    ServeTable,
     decode_report,
 )
+from cachefs.fuse.servetable import ANSWERED, ServeTable
 from cachefs.nodes import Backings, Nodes
 
 O_RDONLY = os.O_RDONLY
@@ -74,10 +73,10 @@ def test_quiesce_waits_for_a_request_in_progress(table):
 class FakeKernel:
     """A serving process's view of /dev/fuse, and the main process's forward socket."""
 
-    def __init__(self, table: ServeTable):
+    def __init__(self, table: ServeTable, **server: object):
         self.kernel, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.main, fwd = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
-        self.server = Server(0, theirs.fileno(), table, fwd, 1 << 16)
+        self.server = Server(0, theirs.fileno(), table, fwd, 1 << 16, **server)  # type: ignore[arg-type]
         self._keep = (theirs, fwd)
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.result: list[int] = []
@@ -312,6 +311,42 @@ def test_node_ids_are_reused_only_once_given_back():
     d = nodes.add("/d")
     assert d == a and nodes.path(d) == "/d"
     assert nodes.add("/e") not in (a, b, c, d)
+
+
+def test_table_node_ids_are_never_given_out_and_are_known_once_adopted():
+    """Nodes.reserve: the daemon's own ids skip the table nodes' range and never recycle
+    one; a table node is known once resolved (a request for it came to the daemon) or
+    adopted, pinned once (its record's), and the path's own node, if any, stays the path's."""
+    from cachefs.fuse.ops import FuseError
+    from cachefs.identity import Attr
+
+    attr = Attr(0o100444, 1, 0, 0, 10, 1, 2, 3)
+    nodes = Nodes()
+    nodes.reserve(4, 8)
+    ids = [nodes.add(f"/f{i}") for i in range(5)]
+    assert ids == [2, 3, 8, 9, 10]  # (1 is the root)
+    resolved = []
+
+    def resolve(nodeid: int) -> bool:
+        resolved.append(nodeid)
+        return nodeid == 5 and nodes.adopt(5, "/t/five", attr)
+
+    nodes.resolve = resolve
+    assert nodes.path(5) == "/t/five" and nodes.version(5) == attr and nodes.id_of("/t/five") == 5
+    with pytest.raises(FuseError):
+        nodes.path(6)  # a table node the daemon does not take: stale
+    with pytest.raises(FuseError):
+        nodes.path(11)  # not a table node: never resolved
+    assert resolved == [5, 6]
+    assert not nodes.adopt(5, "/t/five", attr)  # known: no second pin
+    assert nodes.add("/t/five", attr) == 5  # the daemon's own lookup of it: the same node
+    assert nodes.forget(5, 1) is False  # pinned by its record
+    assert nodes.unpin(5, 0) is True  # taken, with its lookups folded: gone
+    nodes.recycle(5)
+    assert nodes.forget(ids[1], 1) is True
+    nodes.recycle(ids[1])
+    assert nodes.add("/g") == ids[1] and nodes.add("/h") == 11  # 5 is never given out
+    assert nodes.add("/f0") == 2 and nodes.adopt(6, "/f0", attr) and nodes.id_of("/f0") == 2
 
 
 def test_a_full_batch_is_reported_without_waiting_for_an_idle_moment(table, monkeypatch):
@@ -719,3 +754,110 @@ def test_the_serving_loop_benchmark_gets_a_reply_to_every_request():
         result = servebench.run(servebench.ROOT, 300, lookups)
         assert result["requests"] == 300 * (4 if lookups else 3) and result["bad"] == 0
         assert result["us_per_request"] > 0
+
+
+def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
+    """After a start from the NVMe tier's entry table: a file's first lookup in a directory
+    whose path is published, its getattr, forgets and opens are answered from the table
+    (the open registering the cached file once, under the node's lock), and reported; what
+    the table cannot vouch for, and anything of a node the main process took, is forwarded."""
+    from cachefs.config import CLEAN_MARGIN_NS
+    from cachefs.fuse.serve import REGISTERED
+    from cachefs.fuse.servetable import ROW_FREE, ROW_TAKEN
+    from cachefs.identity import Attr
+    from cachefs.tiers import table as entry_table
+    from cachefs.tiers.layout import block_hash
+    from cachefs.tiers.table import Row
+
+    data = tmp_path / "data"
+    now = time.time()
+    stop = time.time_ns() + 10 * CLEAN_MARGIN_NS  # the files below are older than this "stop"
+
+    def attr(size: int) -> Attr:
+        return Attr(0o100444, 1, 0, 0, size, 1, 2, 3, 8, 0, 500 + size)
+
+    def row(n: int, path: str, size: int, stored_at: float = now, synced: int = stop, blocks: int = 1,
+            hashed: bool = False) -> Row:
+        eid = bytes([n]) * 16
+        name = eid.hex()
+        (data / name[:2]).mkdir(parents=True, exist_ok=True)
+        (data / name[:2] / name).write_bytes(b"x" * size)
+        hashes = [block_hash(b"x" * size)] if hashed else list(range(1, blocks + 1))
+        return Row(eid, path, attr(size), 1 << 20, stored_at, synced, hashes)
+
+    # (new.jpg and fresh.jpg: changed since the stop, by their ctime; fresh.jpg's bytes
+    # still match its hash, as the restart check would read them)
+    rows = [row(1, "/d/a.jpg", 10), row(2, "/d/old.jpg", 20, stored_at=now - 7200), row(3, "/d/big", 30, blocks=2),
+            row(4, "/d/new.jpg", 40, synced=1), row(5, "/top.jpg", 50), row(6, "/d/gone.jpg", 60),
+            row(7, "/d/fresh.jpg", 70, synced=1, hashed=True)]
+    (data / "06" / ("06" * 16)).unlink()
+    entry_table.write(str(tmp_path / "t"), rows, stop, 1)
+    t = ServeTable.create(capacity=1024, processes=2, rows=len(rows))
+    tfd = os.open(tmp_path / "t", os.O_RDONLY)
+    dfd = os.open(data, os.O_PATH | os.O_DIRECTORY)
+    k = FakeKernel(t, rows=entry_table.Mapped(tfd, dfd), ttl=3600.0)
+    registered: list[int] = []
+
+    def backing_open(fd: int) -> int:
+        registered.append(os.fstat(fd).st_size)
+        return 40 + len(registered)
+
+    k.server.backing_open = backing_open  # type: ignore[method-assign]
+    base = t.row_base
+    try:
+        assert base == 1024 and t.capacity == 1024 + len(rows) and t.row_of(base + 5) == 5 and t.row_of(5) == -1
+        assert t.publish_dir(7, b"/d") and t.publish_dir(1, b"/")
+        assert t.dir_path(7) == b"/d" and not t.has_name(7) and t.named(7) is None
+        expected = p.pack_entry_of(base, 510, 0o100444, 1, 0, 0, 10, 1, 2, 3, 8, 0, (3600, 0))
+        u = k.send(p.LOOKUP, 7, b"a.jpg\0")
+        assert k.reply() == (u, 0, expected)
+        assert t.lookups(0)[base] == 1 and t.has_name(base)
+        u = k.send(p.LOOKUP, 1, b"top.jpg\0")
+        assert k.reply()[1:] == (0, p.pack_entry_of(base + 4, 550, 0o100444, 1, 0, 0, 50, 1, 2, 3, 8, 0, (3600, 0)))
+        u = k.send(p.GETATTR, base, p.GETATTR_IN.pack(0, 0, 0))
+        assert k.reply() == (u, 0, p.ATTR_OUT.pack(3600, 0, 0) + expected[p.ENTRY_OUT.size:])
+        for _ in range(2):  # registered at the first open only
+            u = k.send(p.OPEN, base, open_in(O_RDONLY))
+            unique, error, out = k.reply()
+            assert (unique, error) == (u, 0)
+            assert p.OPEN_OUT.unpack(out) == (OWN_FH | base, p.FOPEN_PASSTHROUGH | p.FOPEN_NOFLUSH, 41)
+        assert registered == [10] and t.slots[base] == 41 and t.counts(0)[base] == 2
+        k.send(p.FORGET, base, forget_in(1))
+        # what the table cannot vouch for goes to the main process: attributes past the
+        # TTL, more than one block, a file changed since the stop, a file gone, a name the
+        # table does not have, a directory whose path is not published
+        for name in (b"old.jpg", b"big", b"nope"):
+            k.send(p.LOOKUP, 7, name + b"\0")
+            assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
+        k.send(p.LOOKUP, 8, b"a.jpg\0")
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
+        for n in (3, 5):  # (its lookup is answered: the open finds what is wrong)
+            u = k.send(p.LOOKUP, 7, rows[n].path.rsplit("/", 1)[1].encode() + b"\0")
+            assert k.reply()[:2] == (u, 0)
+            k.send(p.OPEN, base + n, open_in(O_RDONLY))
+            assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.OPEN
+        assert registered == [10] and t.slots[base + 3] == t.slots[base + 5] == 0
+        u = k.send(p.LOOKUP, 7, b"fresh.jpg\0")
+        assert k.reply()[:2] == (u, 0)
+        u = k.send(p.OPEN, base + 6, open_in(O_RDONLY))
+        assert k.reply()[:2] == (u, 0) and registered == [10, 70] and t.slots[base + 6] == 42
+        # the main process takes a node: its id comes back, the rest is forwarded
+        assert t.take_row(0) == 41 and t.row_state[0] == ROW_TAKEN and t.slots[base] == 0
+        assert t.take_row(0) == -1 and t.row_state[4] == ROW_FREE
+        k.send(p.LOOKUP, 7, b"a.jpg\0")
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
+        k.send(p.OPEN, base, open_in(O_RDONLY))
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.OPEN
+        k.send(p.FORGET, base, forget_in(1))
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.FORGET
+        report = k.forwarded()
+        counts, opened = decode_report(memoryview(report)[4:])
+        assert list(opened) == [base | REGISTERED, base, base, (base + 6) | REGISTERED, base + 6]
+        assert counts["lookup"][0] == 5 and counts["open"][0] == 3 and counts["forget"][0] == 1
+        assert t.lookups(0)[base] == 0
+    finally:
+        k.close()
+        k.server.rows.close()
+        os.close(tfd)
+        os.close(dfd)
+        t.close()

@@ -271,3 +271,35 @@ def test_after_a_start_from_the_table_every_entry_comes_into_memory_in_the_backg
     assert len(t2._entries) == 300 and t2._restored.files == 0 and len(t2) == 300
     assert all(t2.get((eid(n), 0)) == bytes([n % 256]) * 3000 for n in range(300))
     check(t2)
+
+
+def test_a_mapped_table_finds_paths_and_gives_whole_one_block_records_only(tmp_path):
+    """table.Mapped, the serving processes' read-only view: a path's newest record, and its
+    fields only if it passes its CRC, is of one block, and is its path's newest."""
+    rows = [row(1, "/d/a.jpg", 5000), row(2, "/d/a.jpg", 6000, stored_at=99.0), row(3, "/big", 3 * BS),
+            row(4, "/caf\udce9", 100)]
+    path = str(tmp_path / "t")
+    table.write(path, rows, 123, 77)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        m = table.Mapped(fd)
+        assert (m.count, m.stop_ns) == (4, 123)
+        assert m.find_path(b"/d/a.jpg") == 1 and m.find_path(b"/big") == 2
+        assert m.find_path("/caf\udce9".encode("utf-8", "surrogateescape")) == 3
+        assert m.find_path(b"/d/b.jpg") is None and m.find_path(b"/d") is None
+        f = m.record(1)
+        assert f is not None and f[0] == eid(2) and f[1] == 99.0 and f[2] == 7
+        assert Attr(*f[11:]) == ATTR._replace(size=6000)
+        assert m.record(0) is None      # not its path's newest
+        assert m.record(2) is None      # three blocks
+        assert m.record(4) is None and m.record(-1) is None
+        # a damaged record is not there (the mapping sees the file as it is now)
+        at = table.HEADER.size + 3 * table.RECORD.size + 100
+        os.pwrite(fd, bytes([os.pread(fd, 1, at)[0] ^ 1]), at)
+        assert m.record(3) is None and m.record(1) is not None
+        m.close()
+        os.pwrite(fd, b"X", 0)
+        with pytest.raises(ValueError):
+            table.Mapped(fd)
+    finally:
+        os.close(fd)

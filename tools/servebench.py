@@ -28,7 +28,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CHILD = r'''
 import errno, json, os, socket, sys, threading, time
 from cachefs.fuse import protocol as p
-from cachefs.fuse.serve import _OPEN_REPLY, ANSWERED, FORWARDED, OWN_FH, ServeTable, Server
+from cachefs.fuse.serve import _OPEN_REPLY, OWN_FH, Server
+from cachefs.fuse.servetable import ANSWERED, FORWARDED, ServeTable
 
 opens, with_lookups = int(sys.argv[1]), sys.argv[2] == "1"
 FILES = 1000

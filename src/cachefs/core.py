@@ -127,6 +127,7 @@ class Core:
         self.attrs_of = meta.attrs_of
         self.readdir = meta.readdir
         self.known_listing = meta.known_listing
+        self.rows_serving = meta.rows_serving
         self.listing_attrs_wanted = meta.listing_attrs_wanted
         self.readlink = meta.readlink
         self.statfs = meta.statfs

@@ -27,6 +27,7 @@ import queue
 import stat as stat_mod
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -36,12 +37,15 @@ from cachefs.directio import OUT_OF_DESCRIPTORS, descriptor_limit, trim_descript
 from cachefs.errors import QUIET, to_errno
 from cachefs.fuse import protocol as p
 from cachefs.fuse.ops import Connection, Entry, FuseError, Opened, Operations, Request, StatFs
-from cachefs.fuse.serve import OWN_FH, ServeTable
+from cachefs.fuse.serve import OWN_FH
+from cachefs.fuse.servetable import ROW_FREE, ServeTable
 from cachefs.fuse.session import Session
 from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
 from cachefs.nodes import Backings, ErrorLog, NodeLocks, NodeOpen, Nodes, to_fuse_attr, version_of
 from cachefs.published import Published
+from cachefs.serving import SERVE_MAIN
 from cachefs.stats import FUSE_OPS
+from cachefs.tablenodes import TableNodeOwner
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +102,7 @@ def _fuse_op(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class CachefsFS(Published, Operations):
+class CachefsFS(Published, TableNodeOwner, Operations):
     """The file system cachefs mounts: a read-only mirror of the source through the core."""
 
     # READDIRPLUS (the kernel's adaptive kind, READDIRPLUS_AUTO), its entries with
@@ -149,6 +153,14 @@ class CachefsFS(Published, Operations):
         self._ahead_queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._ahead_thread: threading.Thread | None = None
         self._ahead_stopped = False
+        # Table nodes (tablenodes.py): whether they are on, directories whose path is
+        # published, and what the serving processes registered
+        self._rows = False
+        self._dirs_published: set[int] = set()
+        self._row_order = array("I")
+        self._row_head = 0
+        self._rows_registered = 0
+        self._row_limit = backing_limit()
         core.hooks.connect(on_source_changed=self._source_changed)
 
     def _out_of_descriptors(self, exc: OSError) -> None:
@@ -195,8 +207,16 @@ class CachefsFS(Published, Operations):
             self.core.cache.on_promoted(self._superseded)
             self.core.stats.gauge("opens.backing_files", lambda: len(self._backings or ()))
             self.core.stats.gauge("opens.backing_files_ram", lambda: self._backings.ram_count if self._backings else 0)
-            self._table = self.session.start_servers(self.config.serve_processes or 0, NODE_TABLE_CAPACITY,
-                                                     self._name_limit)
+            rows = self._table_nodes()
+            try:
+                self._table = self.session.start_servers(self.config.serve_processes or 0, NODE_TABLE_CAPACITY,
+                                                         self._name_limit, rows, SERVE_MAIN)
+                if self._table is not None and rows is not None and self._table.rows:
+                    self._start_rows(rows)
+            finally:
+                if rows is not None:  # the serving processes have theirs
+                    os.close(rows.table_fd)
+                    os.close(rows.data_fd)
             if self._table is not None:
                 self._reaper = threading.Thread(target=self._reap_loop, name="cachefs-reap", daemon=True)
                 self._reaper.start()
@@ -316,7 +336,12 @@ class CachefsFS(Published, Operations):
 
     def _entry(self, path: str, a: Attr, parent: int, name: bytes) -> bytes:
         """The packed entry of a lookup that found `path`: the kernel counts it (FORGET)."""
-        nodeid, new = self.nodes.looked_up(path, a)
+        if self._rows:
+            nodeid, new = self._table_lookup(path, a)
+            if nodeid < 0:  # a directory, or a table node: nothing to publish
+                return self._packed_entry(-nodeid, a)
+        else:
+            nodeid, new = self.nodes.looked_up(path, a)
         if self._table is not None and a.is_file and nodeid not in self._opens:
             self._publish_known(nodeid, FileId.of(path, a), new)
         entry = self._packed_entry(nodeid, a)
@@ -417,6 +442,10 @@ class CachefsFS(Published, Operations):
             # ENOSYS here means "success, and do not ask again" (FUSE_NO_OPEN_SUPPORT).
             raise FuseError(errno.ENOSYS)
         fid = self._fid(nodeid, self.nodes.path(nodeid))  # ENOENT/EISDIR now, not at the first read
+        if self._table is not None and self._rows:
+            n = self._table.row_of(nodeid)
+            if n >= 0 and self._table.row_state[n] == ROW_FREE:
+                self._take_row(n)  # an open the serving processes could not answer: this process's from now on
         if not self.passthrough:
             fh = next(self._next_fh)
             self._handles[fh] = fid
@@ -525,7 +554,12 @@ class CachefsFS(Published, Operations):
 
     def _closed(self, state: NodeOpen) -> None:
         """The node's last open closed (or the node is gone): its backing file goes back."""
-        if state.backing_id and self._backings is not None:
+        if state.backing_id and state.private and self.session is not None:
+            try:
+                self.session.backing_close(state.backing_id)  # a serving process registered it
+            except OSError as exc:
+                log.debug("closing backing id %d failed: %s", state.backing_id, exc)
+        elif state.backing_id and self._backings is not None:
             self._backings.put(state.eid)
         if state.backing is not None:
             state.backing.release()

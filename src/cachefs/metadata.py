@@ -130,6 +130,7 @@ class Metadata:
         self._index_answers = cache.remembers
         self._checked_dirs: set[str] = set()
         self._answered: dict[str, set[str]] = {}  # dir -> names answered from the index, unchecked
+        self._rows_dirs: set[str] = set()  # dirs whose files the serving processes answer from the index
         self._checking: dict[str, threading.Event] = {}  # dir -> set when its check has compared
         self._check_lock = threading.Lock()
         self._to_check: SimpleQueue[str] = SimpleQueue()
@@ -369,6 +370,16 @@ class Metadata:
             self._check_soon(directory)
         return attr
 
+    def rows_serving(self, directory: str) -> None:
+        """The serving processes answer lookups in `directory` from the NVMe tier's entry
+        table (its table nodes: cachefs/fuse/serve.py), as _indexed answers them here: the
+        directory's check is queued as the first such answer queues it, and every name of
+        it counts as answered (the kernel may hold any of them)."""
+        with self._check_lock:
+            self._rows_dirs.add(directory)
+        if self._index_answers and directory not in self._checked_dirs:
+            self._check_soon(directory)
+
     def _check_dir(self, directory: str, entries: list[DirEntry]) -> None:
         """The first listing of a directory since the start, with attributes: its files'
         attributes are cached, and those the index answered with are compared."""
@@ -384,9 +395,13 @@ class Metadata:
         with self._check_lock:
             self._checked_dirs.add(directory)
             answered = self._answered.pop(directory, set())
+            rows = directory in self._rows_dirs
             before = self._checking.get(directory)  # two listings at once both check: the
             self._checking[directory] = done       # second returns after the first too
         try:
+            if rows:  # any name the kept listing had may have been answered (and gone since)
+                kept = self._listings.load(directory) if self._listings is not None else None
+                answered |= fresh.keys() | ({e.name for e in kept[1]} if kept is not None else set())
             self._compare(prefix, fresh, answered)
         finally:
             with self._check_lock:

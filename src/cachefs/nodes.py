@@ -136,7 +136,7 @@ class NodeOpen:
     """How the open files of one node are served: through one backing file (passthrough),
     or by the daemon (backing_id 0)."""
 
-    __slots__ = ("backing", "backing_id", "eid", "fid", "published", "refs")
+    __slots__ = ("backing", "backing_id", "eid", "fid", "private", "published", "refs")
 
     def __init__(self, fid: FileId):
         self.fid = fid
@@ -147,6 +147,9 @@ class NodeOpen:
         self.published = False
         self.backing: Backing | None = None  # the cached file, held while the node is open
         self.eid = b""
+        # backing_id was registered by a serving process for a table node (not in Backings):
+        # closed at the node's last close
+        self.private = False
 
 
 class Backings:
@@ -326,12 +329,45 @@ class Nodes:
         self._free: list[int] = []  # ids the kernel forgot, to give out again (see recycle)
         self._pins: dict[int, int] = {}  # nodes kept whatever the kernel forgets (see pin)
         self._lock = threading.Lock()
+        # Table nodes (ids rows_from to rows_to, one per record of the NVMe tier's entry
+        # table, answered by the serving processes): never given out here, and known here
+        # only once `resolve` (the file system's) adopts one (see adopt)
+        self._rows_from = self._rows_to = 0
+        self.resolve: Callable[[int], bool] | None = None
+
+    def reserve(self, first: int, end: int) -> None:
+        """Node ids first to end (exclusive) are table nodes: never given out here."""
+        self._rows_from, self._rows_to = first, end
+
+    def _new_id(self) -> int:
+        nodeid = self._free.pop() if self._free else next(self._next)
+        if self._rows_from <= nodeid < self._rows_to:
+            self._next = itertools.count(self._rows_to + 1)
+            nodeid = self._rows_to
+        return nodeid
 
     def path(self, nodeid: int) -> str:
         try:
             return self._paths[nodeid]
         except KeyError:
+            if self.resolve is not None and self._rows_from <= nodeid < self._rows_to and self.resolve(nodeid):
+                return self._paths[nodeid]
             raise FuseError(errno.ESTALE, f"unknown node {nodeid}") from None
+
+    def adopt(self, nodeid: int, path: str, attr: Attr) -> bool:
+        """Table node `nodeid` stands for `path` as `attr` describes it here too, pinned once
+        (by its record: the serving processes count its lookups and forgets until the file
+        system takes it, then unpin folds them in). A node the path has already stays the
+        path's. False if it was known already."""
+        with self._lock:
+            if nodeid in self._paths:
+                return False
+            self._paths[nodeid] = path
+            self._versions[nodeid] = attr
+            self._refs[nodeid] = 0
+            self._pins[nodeid] = 1
+            self._ids.setdefault(path, nodeid)
+            return True
 
     def version(self, nodeid: int) -> Attr | None:
         """The attributes of the file version this node stands for (regular files only)."""
@@ -365,7 +401,7 @@ class Nodes:
                         known is None or version_of(known) != version_of(attr)):
                     nodeid = None  # another version: the old node stays with its holders
             if nodeid is None:
-                nodeid = self._free.pop() if self._free else next(self._next)
+                nodeid = self._new_id()
                 self._ids[path] = nodeid
                 self._paths[nodeid] = path
                 new = True
@@ -392,7 +428,7 @@ class Nodes:
             elif attr is None:
                 return None
             else:
-                nodeid = self._free.pop() if self._free else next(self._next)
+                nodeid = self._new_id()
                 self._ids[path] = nodeid
                 self._paths[nodeid] = path
                 self._refs[nodeid] = 0
@@ -447,7 +483,7 @@ class Nodes:
         """Give out a forgotten node id again: ids stay as dense as the nodes the kernel
         holds, which the serving processes' table is indexed by."""
         with self._lock:
-            if nodeid not in self._paths:
+            if nodeid not in self._paths and not self._rows_from <= nodeid < self._rows_to:
                 self._free.append(nodeid)
 
     def __len__(self) -> int:

@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 
 from cachefs.config import AHEAD_DIRS_MAX, AHEAD_ROOM
 from cachefs.fuse import protocol as p
-from cachefs.fuse.serve import NAME_MAX, ServeTable, decode_report
+from cachefs.fuse.serve import REGISTERED, decode_report
+from cachefs.fuse.servetable import NAME_MAX, ROW_FREE, ServeTable
 from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
 from cachefs.nodes import Backings, NodeOpen, Nodes, version_of
 
@@ -58,6 +59,13 @@ class Published:
     _node_lock: Callable[..., contextlib.AbstractContextManager[None]]
     _closed: Callable[[NodeOpen], None]
     _forgotten: Callable[[int], None]
+    # Table nodes (cachefs/tablenodes.py)
+    _rows: bool
+    _take_row: Callable[[int], None]
+    _take_row_of: Callable[[bytes], None]
+    _retire: Callable[[int], None]
+    _row_taken: Callable[[ServeTable, int, NodeOpen | None], None]
+    _rows_counted: Callable[[list[int]], None]
 
     def _publish_known(self, nodeid: int, fid: FileId, new: bool, register: bool = False) -> bool:
         """A file looked up whose cached copy has a backing id already (opened in an earlier
@@ -166,6 +174,10 @@ class Published:
         goes to this process again, whichever node it is published with."""
         if self._table is None:
             return
+        if self._rows:
+            n = self.core.cache.table_record_of(path)
+            if n is not None:
+                self._take_row(n)
         directory, _, name = path.rpartition("/")
         parent = self.nodes.id_of(directory or "/")
         with self._names_lock:
@@ -203,6 +215,7 @@ class Published:
         the NVMe copy's backing id is closed then (Backings.superseded)."""
         if eid in self._published:
             self._unpublished.put(("copy", eid))
+        self._take_row_of(eid)
         if self._backings is not None:
             self._backings.superseded(eid)
 
@@ -214,6 +227,7 @@ class Published:
         for key in Backings.keys(eid):
             if key in self._published:
                 self._unpublished.put(("copy", key))
+        self._take_row_of(eid)
         if self._backings is not None:
             self._backings.dropped(eid)
 
@@ -223,8 +237,8 @@ class Published:
         listing: a walk lists every directory before the job reads a file, and publishing
         behind it made the walk after a remount 2.3 times as long (the walk's requests
         wait for the interpreter's lock)."""
-        if self._table is None or directory in self._ahead_seen:
-            return
+        if self._table is None or self._rows or directory in self._ahead_seen:
+            return  # (with table nodes, the serving processes answer a cached file's first lookup)
         if len(self._ahead_seen) >= AHEAD_DIRS_MAX or len(self._ahead_unlisted) >= AHEAD_DIRS_MAX:
             self._ahead_seen.clear()  # bounded: a directory queued again publishes only what is not yet
             self._ahead_unlisted.clear()
@@ -325,10 +339,21 @@ class Published:
                 batch.append(self._unpublished.get())
             if any(item[0] == "stop" for item in batch):
                 return
+            for item in batch:
+                if item[0] == "retire":
+                    self._retire(item[1])
+            while not self._unpublished.empty():  # what the retiring queued (more goes to the next batch)
+                item = self._unpublished.get()
+                if item[0] == "stop":
+                    return
+                if item[0] == "retire":
+                    self._retire(item[1])
+                batch.append(item)
+            rows = [item[1:] for item in batch if item[0] == "row"]
             taken = [item[1:] for item in batch if item[0] == "node"]
             taken += [found for item in batch if item[0] == "copy" and (found := self._unpublish_copy(table, item[1]))]
             names = [item[1:] for item in batch if item[0] == "name"]
-            if not taken and not names:
+            if not taken and not names and not rows:
                 continue
             waited = 0
             while not table.quiesce(self.session.servers_alive):
@@ -344,6 +369,11 @@ class Published:
                     self._name_taken(table, nodeid, parent)
                 except Exception:
                     log.exception("taking the name of node %d back from the serving processes failed", nodeid)
+            for nodeid, state in rows:
+                try:
+                    self._row_taken(table, nodeid, state)
+                except Exception:
+                    log.exception("taking table node %d from the serving processes failed", nodeid)
 
     def _unpublish_copy(self, table: ServeTable, key: bytes) -> tuple[int, NodeOpen, bool] | None:
         nodeid = self._published.get(key)
@@ -397,26 +427,47 @@ class Published:
         states: list[NodeOpen | None] = []
         fids: list[FileId] = []
         eids: list[bytes | None] = []
+        rows: list[int] = []  # per open counted: its table record, or -1
+        registered: list[int] = []
         get_state = self._opens.get
+        table, row_base, row_end = self._table, 0, 0
+        if self._rows and table is not None:
+            row_base, row_end = table.row_base, table.row_base + table.rows
         for nodeid in opened:
+            if nodeid & REGISTERED:
+                registered.append(nodeid & ~REGISTERED)
+                continue
             state = get_state(nodeid)
             if state is not None and state.published:
                 states.append(state)
                 fids.append(state.fid)
                 eids.append(Backings.entry_of(state.eid))
+                rows.append(-1)
                 continue
             fid = state.fid if state is not None else self.nodes.file_id(nodeid)  # taken back since
             if fid is not None:
                 states.append(state)
                 fids.append(fid)
                 eids.append(None)
+                rows.append(-1)
+            elif row_base <= nodeid < row_end:  # a table node
+                row = self.core.cache.table_file(nodeid - row_base)
+                if row is not None:
+                    states.append(None)
+                    fids.append(FileId.of(row.path, row.attr))
+                    eids.append(row.eid)
+                    rows.append(nodeid - row_base)
+        if registered:
+            self._rows_counted(registered)
         try:
             in_ram = self.core.count_opens(fids, eids)
         except Exception as exc:  # counting only: it never fails a reader
             log.warning("counting %d opens the serving processes answered failed: %s", len(fids), exc)
             return
-        for state, now_in_ram in zip(states, in_ram, strict=True):
-            if state is not None and state.published and now_in_ram and not Backings.in_ram(state.eid):
+        for state, now_in_ram, n in zip(states, in_ram, rows, strict=True):
+            if n >= 0 and now_in_ram and table is not None and table.row_state[n] == ROW_FREE:
+                self._unpublished.put(("retire", n))  # RAM has it: the next open registers RAM's copy
+            elif state is not None and state.published and now_in_ram and not Backings.in_ram(state.eid):
                 # RAM took the file: the node is taken back, and once its opens have closed,
                 # published again with the RAM copy (one backing per inode while open)
                 self._unpublished.put(("copy", state.eid))

@@ -29,50 +29,40 @@ copy): the kernel takes a reply only on the descriptor its request was read from
 `REPORT_AFTER` seconds idle) a process reports what it answered: counts per operation and
 the node ids it opened, which the main process counts as the tiers' hits.
 
-The table, one shared memory file (memfd), holds per node a backing id (0: ask the main
-process) and a record (its published name and entry, under a sequence counter), the
-names' hash buckets, and per serving process a busy counter and a count of open handles
-and of lookups per node (a release or a forget may come to any process, so a column may
-go negative; the sum is what counts). The main process unpublishes a node or a name by
-clearing its slot or record, then waits until every serving process has been idle or
-finished a request since (`quiesce`), then folds the columns' counts into its own.
+The table is cachefs/fuse/servetable.py. After a start from the NVMe tier's entry table,
+a serving process also answers table nodes: the files of that table, one node id per
+record, looked up, stat'ed, registered and opened from it without the main process (see
+`Server.row_lookup`, `Server.register`; docs/design.md, "Table nodes").
 """
 
 from __future__ import annotations
 
 import argparse
 import errno
-import mmap
+import fcntl
 import os
 import select
 import socket
+import stat as stat_mod
 import struct
 import sys
 import time
 from array import array
-
-import xxhash
+from collections.abc import Callable
+from typing import Protocol
 
 from cachefs.fuse import protocol as p
 from cachefs.fuse.children import die_with_parent, parent_stopped
+from cachefs.fuse.servetable import _LINE, ANSWERED, FORWARDED, PENDING, REPORTS, ROW_FREE, ServeTable
 
 OWN_FH = 1 << 63          # the handle of an open of a published node: its release may be answered anywhere
 REPORT = 1 << 31          # in a forwarded message's index: a serving process's report, not a request
+REGISTERED = 1 << 31      # in a report's node ids: a table node this process registered a backing id for
 WAKE = 0xFFFFFFFF         # a forwarded message's index: the main process waking its own readers
 REPORT_EVERY = 512        # requests answered between reports
 REPORT_AFTER = 0.05       # seconds idle before a report of what is pending
 SEND_BUFFER = 4 << 20     # the forward socket's buffer (the kernel caps it at net.core.wmem_max)
 
-_MAGIC = b"cfsserv2"
-_HEADER = struct.Struct("<8sQIQ")         # magic, capacity, processes, buckets
-# A node's record: seq (odd while the main process writes it), parent, deadline (monotonic
-# ns), name length (0: not published), entry length; the packed entry_out; the name
-_RECORD_HEAD = struct.Struct("<IIqHH4x")
-_SEQ = struct.Struct("<I")
-_ENTRY = _RECORD_HEAD.size
-_NAME = _ENTRY + 128
-RECORD = 256
-NAME_MAX = RECORD - _NAME                  # longer names are looked up by the main process
 _PREFIX = struct.Struct("<I")              # a forwarded message: the serving process's index
 PREFIX_SIZE = _PREFIX.size                 # what a forwarded request is longer than the request
 # A report: requests answered per kind and their microseconds (the requests forwarded, with
@@ -81,273 +71,8 @@ REPORT_COUNTS = ("open", "release", "lookup", "getattr", "forget", "batch_forget
 _OPEN, _RELEASE, _LOOKUP, _GETATTR, _FORGET, _BATCH_FORGET, _OTHER, _FORWARDED = range(len(REPORT_COUNTS))
 _REPORT = struct.Struct("<" + "Q" * (2 * len(REPORT_COUNTS)))
 _OPEN_REPLY = struct.Struct("<IiQQIi")    # out header + fuse_open_out
-_LINE = 64                                 # each process's busy counter on a cache line of its own
-
-
-# A serving process's cache line in the table: u64 counters at these indices (the main
-# process writes ANSWERED, the serving process the others)
-BUSY, PENDING, REPORTS, FORWARDED, ANSWERED = 0, 1, 2, 3, 4
 MAX_FORWARDED = 64        # requests forwarded and not answered yet, per serving process
 MAIN_CHECK = 0.05         # seconds a look at whether the main process is stopped stays good
-
-
-class ServeTable:
-    """The shared memory of the main process and its serving processes (see the module
-    docstring). Layout: a header line, one cache line per process (its busy counter,
-    requests answered but not reported yet, reports sent...), then per node id a u32
-    backing id, per serving process an i32 open count and an i64 lookup count per node,
-    the names' hash buckets (u64 key, u64 node id), and a RECORD per node (its published
-    name and entry). The file is sparse: pages are touched only for the node ids in use
-    (they are given out densely, see Nodes.recycle) and the buckets' pages."""
-
-    def __init__(self, fd: int, capacity: int, processes: int, buckets: int):
-        self.fd, self.capacity, self.processes, self.buckets = fd, capacity, processes, buckets
-        self._map = mmap.mmap(fd, self.size(capacity, processes, buckets))
-        view = memoryview(self._map)
-        base = _LINE * (1 + processes)
-        self.busy = view[_LINE:base].cast("Q")  # index k * (_LINE // 8): process k's counter
-        self.slots = view[base:base + 4 * capacity].cast("I")
-        base += 4 * capacity
-        self._counts = [view[base + 4 * capacity * k:base + 4 * capacity * (k + 1)].cast("i")
-                        for k in range(processes)]
-        base += 4 * capacity * processes
-        self._lookups = [view[base + 8 * capacity * k:base + 8 * capacity * (k + 1)].cast("q")
-                         for k in range(processes)]
-        base += 8 * capacity * processes
-        self.bucket = view[base:base + 16 * buckets].cast("Q")  # [2i]: key, [2i + 1]: node id
-        base += 16 * buckets
-        self.records = view[base:base + RECORD * capacity]
-        self._live = 0  # names in the buckets (the main process's count)
-
-    @staticmethod
-    def size(capacity: int, processes: int, buckets: int) -> int:
-        return (_LINE * (1 + processes) + 4 * capacity * (1 + processes) + 8 * capacity * processes
-                + 16 * buckets + RECORD * capacity)
-
-    @classmethod
-    def create(cls, capacity: int, processes: int, names: int = 0) -> ServeTable:
-        """A new table in a memfd (inherited by the serving processes), with room for
-        `names` published names (hash buckets at most half full)."""
-        buckets = 1 << max(4, (2 * max(names, 1) - 1).bit_length())
-        fd = os.memfd_create("cachefs-serve-table", 0)  # not CLOEXEC: passed to the children
-        os.ftruncate(fd, cls.size(capacity, processes, buckets))
-        os.pwrite(fd, _HEADER.pack(_MAGIC, capacity, processes, buckets), 0)
-        return cls(fd, capacity, processes, buckets)
-
-    @classmethod
-    def attach(cls, fd: int) -> ServeTable:
-        magic, capacity, processes, buckets = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
-        if magic != _MAGIC:
-            raise ValueError("not a cachefs serving table")
-        return cls(fd, capacity, processes, buckets)
-
-    def counts(self, index: int) -> memoryview:
-        """Serving process `index`'s open counts (index 0 is the first serving process)."""
-        return self._counts[index]
-
-    def lookups(self, index: int) -> memoryview:
-        """Serving process `index`'s lookup counts (lookups answered less forgets taken)."""
-        return self._lookups[index]
-
-    # -- names (both sides) ---------------------------------------------------------------
-
-    def entry(self, parent: int, name: bytes, now_ns: int) -> tuple[int, bytes] | None:
-        """The node and packed entry_out published for `name` in directory `parent`, if
-        any and still valid at `now_ns` (CLOCK_MONOTONIC). A record being written, or a
-        bucket seen half written, is a miss: the main process answers."""
-        key = name_key(parent, name)
-        bucket, records, mask = self.bucket, self.records, self.buckets - 1
-        i = key & mask
-        while True:
-            found = bucket[2 * i]
-            if not found:
-                return None
-            if found == key:
-                nodeid = bucket[2 * i + 1]
-                if 0 < nodeid < self.capacity:
-                    off = nodeid * RECORD
-                    seq, rparent, deadline, namelen, entrylen = _RECORD_HEAD.unpack_from(records, off)
-                    if (not seq & 1 and rparent == parent and namelen == len(name) and deadline > now_ns
-                            and records[off + _NAME:off + _NAME + namelen] == name):
-                        entry = bytes(records[off + _ENTRY:off + _ENTRY + entrylen])
-                        if _SEQ.unpack_from(records, off)[0] == seq:
-                            return nodeid, entry
-                        return None
-            i = (i + 1) & mask
-
-    def find(self, parent: int, name: bytes) -> int | None:
-        """The node published for `name` in directory `parent`, whatever its deadline."""
-        found = self.entry(parent, name, -1 << 62)
-        return None if found is None else found[0]
-
-    def has_name(self, nodeid: int) -> bool:
-        """Whether the node's name is published (its lookups and forgets are counted in
-        the table): a record not being written, with a name."""
-        if not 0 < nodeid < self.capacity:
-            return False
-        seq, _, _, namelen, _ = _RECORD_HEAD.unpack_from(self.records, nodeid * RECORD)
-        return not seq & 1 and namelen > 0
-
-    def named(self, nodeid: int, now_ns: int = 0) -> bytes | None:
-        """The entry_out of a node whose name is published (valid at `now_ns` if given),
-        else None."""
-        if not 0 < nodeid < self.capacity:
-            return None
-        off = nodeid * RECORD
-        seq, _, deadline, namelen, entrylen = _RECORD_HEAD.unpack_from(self.records, off)
-        if seq & 1 or not namelen or deadline <= now_ns:
-            return None
-        entry = bytes(self.records[off + _ENTRY:off + _ENTRY + entrylen])
-        return entry if _SEQ.unpack_from(self.records, off)[0] == seq else None
-
-    # -- the main process's side ---------------------------------------------------------
-
-    def publish(self, nodeid: int, backing_id: int) -> bool:
-        """Opens of `nodeid` may be answered with `backing_id` by any process. False when the
-        node id is beyond the table (its opens go to the main process)."""
-        if not 0 < nodeid < self.capacity or backing_id <= 0:
-            return False
-        self.slots[nodeid] = backing_id
-        return True
-
-    def unpublish(self, nodeid: int) -> None:
-        if 0 < nodeid < self.capacity:
-            self.slots[nodeid] = 0
-
-    def publish_name(self, nodeid: int, parent: int, name: bytes, entry: bytes, deadline_ns: int) -> bool:
-        """Lookups of `name` in `parent` may be answered with `entry` (node `nodeid`) by any
-        process until `deadline_ns`; a node published already under this name has its
-        entry and deadline replaced. One writer at a time (the caller's lock). False when
-        the name or the node id does not fit."""
-        if not 0 < nodeid < self.capacity or not 0 < len(name) <= NAME_MAX or len(entry) > _NAME - _ENTRY:
-            return False
-        records, off = self.records, nodeid * RECORD
-        seq, rparent, _, namelen, _ = _RECORD_HEAD.unpack_from(records, off)
-        known = namelen and rparent == parent and records[off + _NAME:off + _NAME + namelen] == name
-        if namelen and not known:
-            self.unpublish_name(nodeid)  # published under another name: its bucket goes
-            seq += 2
-        _SEQ.pack_into(records, off, seq + 1)  # odd: being written (a reader forwards)
-        _RECORD_HEAD.pack_into(records, off, seq + 1, parent, deadline_ns, len(name), len(entry))
-        records[off + _ENTRY:off + _ENTRY + len(entry)] = entry
-        records[off + _NAME:off + _NAME + len(name)] = name
-        if not known and not self._insert(name_key(parent, name), nodeid):
-            _RECORD_HEAD.pack_into(records, off, seq + 1, 0, 0, 0, 0)  # no room: not published
-            _SEQ.pack_into(records, off, seq + 2)
-            return False
-        _SEQ.pack_into(records, off, seq + 2)
-        return True
-
-    def unpublish_name(self, nodeid: int) -> None:
-        """Lookups of the node's name go to the main process from now on (a serving process
-        may still be answering one: see quiesce)."""
-        if not 0 < nodeid < self.capacity:
-            return
-        records, off = self.records, nodeid * RECORD
-        seq, parent, _, namelen, _ = _RECORD_HEAD.unpack_from(records, off)
-        if not namelen:
-            return
-        name = bytes(records[off + _NAME:off + _NAME + namelen])
-        _SEQ.pack_into(records, off, seq + 1)
-        _RECORD_HEAD.pack_into(records, off, seq + 1, 0, 0, 0, 0)
-        _SEQ.pack_into(records, off, seq + 2)
-        key, mask, bucket = name_key(parent, name), self.buckets - 1, self.bucket
-        i = key & mask
-        while bucket[2 * i] != key or bucket[2 * i + 1] != nodeid:
-            if not bucket[2 * i]:
-                return  # not in the buckets (it did not fit)
-            i = (i + 1) & mask
-        self._live -= 1
-        # Backward-shift deletion (linear probing keeps no tombstones): each later bucket of
-        # the run whose home is not between the hole and it moves into the hole. A reader
-        # probing meanwhile may miss its name (the lookup goes to the main process), and
-        # never pairs a key with another's node: the record is compared in full.
-        j = i
-        while True:
-            j = (j + 1) & mask
-            moving = bucket[2 * j]
-            if not moving:
-                break
-            if 0 < ((moving & mask) - i) & mask <= (j - i) & mask:
-                continue  # its home is in (i, j]: it stays
-            bucket[2 * i + 1] = 0
-            bucket[2 * i] = moving
-            bucket[2 * i + 1] = bucket[2 * j + 1]
-            i = j
-        bucket[2 * i + 1] = 0
-        bucket[2 * i] = 0
-
-    def _insert(self, key: int, nodeid: int) -> bool:
-        if self._live + 1 > self.buckets * 3 // 4:
-            return False  # never, with at most half as many names as buckets (create)
-        bucket, mask = self.bucket, self.buckets - 1
-        i = key & mask
-        while bucket[2 * i]:
-            i = (i + 1) & mask
-        bucket[2 * i + 1] = nodeid
-        bucket[2 * i] = key  # the key last: a reader never pairs it with another's node id
-        self._live += 1
-        return True
-
-    def take_lookups(self, nodeid: int) -> int:
-        """The serving processes' lookup counts of `nodeid`, summed and zeroed (after
-        unpublish_name and quiesce, when no process changes them)."""
-        return self._take(self._lookups, nodeid)
-
-    def quiesce(self, alive: list[bool], timeout: float = 5.0) -> bool:
-        """Wait until every live serving process is idle or has finished the request it was
-        answering when this was called: after an unpublish, none still uses the old slot.
-        A process counts busy (odd) from the moment it has read a request until it has
-        answered it. The first sleep lets stores in flight on other cores land (the slot
-        cleared, theirs to their counters) before the counters are read."""
-        step = _LINE // 8
-        time.sleep(0.002)
-        before = [self.busy[k * step] for k in range(self.processes)]
-        deadline = time.monotonic() + timeout
-        for k, seen in enumerate(before):
-            if not alive[k]:
-                continue
-            while seen & 1 and self.busy[k * step] == seen:
-                if time.monotonic() > deadline:
-                    return False
-                time.sleep(0.001)
-        return True
-
-    def line(self, index: int, field: int) -> int:
-        """Serving process `index`'s counter `field` (BUSY, PENDING, REPORTS)."""
-        return int(self.busy[index * (_LINE // 8) + field])
-
-    def set_line(self, index: int, field: int, value: int) -> None:
-        self.busy[index * (_LINE // 8) + field] = value
-
-    def take_counts(self, nodeid: int) -> int:
-        """The serving processes' open counts of `nodeid`, summed and zeroed (after
-        unpublish and quiesce, when no process changes them)."""
-        return self._take(self._counts, nodeid)
-
-    def _take(self, columns: list[memoryview], nodeid: int) -> int:
-        if not 0 < nodeid < self.capacity:
-            return 0
-        total = 0
-        for column in columns:
-            total += column[nodeid]
-            column[nodeid] = 0
-        return total
-
-    def close(self) -> None:
-        for v in (self.busy, self.slots, self.bucket, self.records, *self._counts, *self._lookups):
-            v.release()
-        self._counts, self._lookups = [], []
-        try:
-            self._map.close()
-        except BufferError:
-            pass
-        os.close(self.fd)
-
-
-def name_key(parent: int, name: bytes) -> int:
-    """The hash key of a name in a directory (never 0: an empty bucket)."""
-    return xxhash.xxh3_64_intdigest(name, seed=parent) | 1
 
 
 def decode_report(data: memoryview) -> tuple[dict[str, tuple[int, int]], array]:
@@ -359,6 +84,19 @@ def decode_report(data: memoryview) -> tuple[dict[str, tuple[int, int]], array]:
     return counts, opened
 
 
+class TableRows(Protocol):
+    """The NVMe tier's entry table as a serving process reads it (tiers/table.py, Mapped;
+    this layer knows nothing of tiers): a path's newest record, a record's fields if it
+    is a whole file of one block (its 11 stat fields last), and its cached file opened
+    if it is as the clean stop left it (else -1)."""
+
+    def find_path(self, path: bytes) -> int | None: ...
+
+    def record(self, n: int) -> tuple | None: ...
+
+    def open_held(self, fields: tuple) -> int: ...
+
+
 # -- a serving process -------------------------------------------------------------------------
 
 
@@ -366,8 +104,13 @@ class Server:
     """One serving process's loop (single-threaded: it never waits on anything but the
     kernel and, when full, the forward socket)."""
 
-    def __init__(self, index: int, fuse_fd: int, table: ServeTable, forward: socket.socket, bufsize: int):
+    def __init__(self, index: int, fuse_fd: int, table: ServeTable, forward: socket.socket, bufsize: int,
+                 rows: TableRows | None = None, ttl: float = 0.0):
         self.index, self.fd, self.table, self.forward = index, fuse_fd, table, forward
+        # Table nodes: the NVMe tier's entry table, and how long a record's attributes are
+        # good for after they were stored (--metadata-ttl)
+        self.rows, self.ttl = rows if table.rows else None, ttl
+        self.valid = p.split_timeout(ttl)
         self.buf = bytearray(bufsize)
         self.prefix = _PREFIX.pack(index)
         self.opened = array("I")
@@ -384,6 +127,8 @@ class Server:
         table = self.table
         busy, step = table.busy, self.index * (_LINE // 8)
         slots, counts, capacity = table.slots, table.counts(self.index), table.capacity
+        row_base = table.row_base if self.rows is not None else 0
+        row_lookup, row_entry, register = self.row_lookup, self.row_entry, self.register
         lookups, entry_of, named, has_name = table.lookups(self.index), table.entry, table.named, table.has_name
         header = struct.Struct("<IIQQ").unpack_from  # IN_HEADER's first fields
         u64 = struct.Struct("<Q").unpack_from
@@ -455,6 +200,8 @@ class Server:
             length, opcode, unique, nodeid = header(buf)
             backing = slots[nodeid] if 0 < nodeid < capacity and length == n else 0  # read once
             kind = -1
+            if not backing and opcode == OPEN and nodeid >= row_base > 0 and length == n:
+                backing = register(nodeid - row_base)  # a table node's first open: registered here
             # the most frequent first: an open is an OPEN, an IOCTL and a RELEASE
             if opcode == OPEN and backing:
                 if u32(buf, 40)[0] & write_flags:
@@ -474,7 +221,10 @@ class Server:
                 reply(error_reply(16, 0, unique))
                 kind = _RELEASE
             elif opcode == LOOKUP and length == n:
-                found = entry_of(nodeid, bytes(view[header_size:n - 1]), now_ns())
+                name = bytes(view[header_size:n - 1])
+                found = entry_of(nodeid, name, now_ns())
+                if found is None and row_base:
+                    found = row_lookup(nodeid, name)
                 if found is not None:
                     child, entry = found
                     lookups[child] += 1  # before the reply: a forget may follow at once
@@ -492,6 +242,8 @@ class Server:
                 kind = _FORGET
             elif opcode == GETATTR and length == n:
                 known = named(nodeid, now_ns())
+                if known is None and nodeid >= row_base > 0:
+                    known = row_entry(nodeid - row_base)
                 if known is not None:  # attr_out: the entry's attribute timeout and attributes
                     reply(error_reply(16 + 104, 0, unique) + known[24:32] + known[36:40] + bytes(4) + known[40:])
                     kind = _GETATTR
@@ -509,6 +261,73 @@ class Server:
             busy[pending] = self.answered
             if self.answered >= REPORT_EVERY:
                 self.report()
+
+    def row_lookup(self, parent: int, name: bytes) -> tuple[int, bytes] | None:
+        """The table node and packed entry_out of `name` in directory node `parent`, if the
+        directory's path is published and the entry table holds the file (row_entry)."""
+        directory = self.table.dir_path(parent)
+        if directory is None or self.rows is None:
+            return None
+        n = self.rows.find_path((directory if directory != b"/" else b"") + b"/" + name)
+        if n is None:
+            return None
+        entry = self.row_entry(n)
+        return None if entry is None else (self.table.row_base + n, entry)
+
+    def row_entry(self, n: int) -> bytes | None:
+        """The packed entry_out of table node n: while the main process has not taken it,
+        its record is whole (CRC), of a regular file the NVMe tier held whole at a clean
+        stop, and its attributes are within --metadata-ttl of when they were stored (as the
+        main process answers from the index, see metadata.py)."""
+        if self.rows is None or not 0 <= n < self.table.rows or self.table.row_state[n] != ROW_FREE:
+            return None
+        f = self.rows.record(n)
+        if f is None or not f[2] or f[1] + self.ttl <= time.time():
+            return None
+        mode, nlink, uid, gid, size, atime, mtime, ctime, blocks, rdev, ino = f[11:22]
+        if not stat_mod.S_ISREG(mode):
+            return None
+        return p.pack_entry_of(self.table.row_base + n, ino or 1, mode, nlink, uid, gid, size, atime, mtime,
+                               ctime, blocks, rdev, self.valid)
+
+    def register(self, n: int) -> int:
+        """A backing id for table node n's cached file, registered by this process (under
+        the node's lock: one per inode), if the main process has not taken the node and the
+        file is as the clean stop left it (its size, and its ctime from before that stop
+        less the margin, or else its bytes' hash: the restart check's tests, see
+        tiers/checks.py); else 0 (the open is forwarded). Reported with the opens
+        (REGISTERED), for the main process's limit."""
+        table, rows = self.table, self.rows
+        if rows is None or not 0 <= n < table.rows:
+            return 0
+        nodeid = table.row_base + n
+        table.row_lock(n)
+        try:
+            if table.row_state[n] != ROW_FREE:
+                return 0
+            backing = int(table.slots[nodeid])
+            if backing:
+                return backing
+            f = rows.record(n)
+            fd = -1 if f is None else rows.open_held(f)
+            if fd < 0:
+                return 0
+            try:
+                backing = self.backing_open(fd)
+            except OSError:
+                return 0
+            finally:
+                os.close(fd)
+            table.slots[nodeid] = backing
+            self.opened.append(nodeid | REGISTERED)
+            return backing
+        finally:
+            table.row_lock(n, False)
+
+    def backing_open(self, fd: int) -> int:
+        """Register `fd` as a backing file of this connection (as Session.backing_open: a
+        backing id is the connection's, whichever of its descriptors registered it)."""
+        return fcntl.ioctl(self.fd, p.DEV_IOC_BACKING_OPEN, bytearray(p.BACKING_MAP.pack(fd, 0, 0)))
 
     def batch_forget(self, view: memoryview, n: int) -> tuple[int, bytes]:
         """A BATCH_FORGET: the forgets of published nodes taken here (their lookups were
@@ -564,7 +383,8 @@ class Server:
         self.table.busy[line + PENDING] = 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, rows_from: Callable[[int, int], TableRows] | None = None) -> int:
+    """A serving process; `rows_from(table_fd, data_fd)` reads the entry table (table nodes)."""
     ap = argparse.ArgumentParser(prog="python -m cachefs.fuse.serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--index", type=int, required=True)
     ap.add_argument("--fuse-fd", type=int, required=True)
@@ -572,13 +392,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--forward-fd", type=int, required=True)
     ap.add_argument("--bufsize", type=int, default=1 << 18)
     ap.add_argument("--parent", type=int, required=True, help="the daemon's pid")
+    ap.add_argument("--rows-fd", type=int, default=-1, help="the NVMe tier's entry table (table nodes)")
+    ap.add_argument("--data-fd", type=int, default=-1, help="the NVMe tier's data directory")
+    ap.add_argument("--ttl", type=float, default=0.0, help="--metadata-ttl, seconds")
     args = ap.parse_args(argv)
+    return run(args, rows_from)
+
+
+def run(args: argparse.Namespace, rows_from: Callable[[int, int], TableRows] | None) -> int:
     die_with_parent()
     if os.getppid() != args.parent:
         return 0  # the daemon is gone already
     forward = socket.socket(fileno=args.forward_fd)
     table = ServeTable.attach(args.table_fd)
-    server = Server(args.index, args.fuse_fd, table, forward, args.bufsize)
+    rows = None
+    if args.rows_fd >= 0 and table.rows and rows_from is not None:
+        try:
+            rows = rows_from(args.rows_fd, args.data_fd)
+        except (OSError, ValueError) as exc:  # the main process answers those lookups
+            print(f"cachefs serving process {args.index}: the entry table: {exc}", file=sys.stderr)
+    server = Server(args.index, args.fuse_fd, table, forward, args.bufsize, rows, args.ttl)
     server.main_pid = os.getppid()
     try:
         return server.run()

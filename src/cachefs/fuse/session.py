@@ -36,16 +36,8 @@ from cachefs.fuse.ops import (
     Operations,
     Request,
 )
-from cachefs.fuse.serve import (
-    ANSWERED,
-    PENDING,
-    PREFIX_SIZE,
-    REPORT,
-    REPORTS,
-    SEND_BUFFER,
-    WAKE,
-    ServeTable,
-)
+from cachefs.fuse.serve import PREFIX_SIZE, REPORT, SEND_BUFFER, WAKE
+from cachefs.fuse.servetable import ANSWERED, PENDING, REPORTS, ServeTable, TableNodes
 
 log = logging.getLogger(__name__)
 
@@ -240,11 +232,14 @@ class Session(Handlers):
             return self.fd
         return fd
 
-    def start_servers(self, count: int, capacity: int, names: int = 0) -> ServeTable | None:
+    def start_servers(self, count: int, capacity: int, names: int = 0, rows: TableNodes | None = None,
+                      main: str = SERVE_MAIN) -> ServeTable | None:
         """Start `count` serving processes (cachefs/fuse/serve.py) before start(): each reads
         a cloned descriptor of this connection and answers the lookups, opens and releases
-        of the names and nodes published in the returned table (room for `names` names);
-        this process's threads then answer what they forward instead of reading /dev/fuse.
+        of the names and nodes published in the returned table (room for `names` names),
+        and with `rows`, of the files of the NVMe tier's entry table (table nodes); this
+        process's threads then answer what they forward instead of reading /dev/fuse.
+        `main`: the code each runs (python -c; with `rows`, one that reads the table).
         None (and nothing started) where the descriptor cannot be cloned."""
         if count <= 0 or not self._clone:
             return None
@@ -259,17 +254,21 @@ class Session(Handlers):
         self._rx, self._tx = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         for sock, opt in ((self._rx, socket.SO_RCVBUF), (self._tx, socket.SO_SNDBUF)):
             sock.setsockopt(socket.SOL_SOCKET, opt, SEND_BUFFER)
-        table = ServeTable.create(capacity, count, names)
+        table = ServeTable.create(capacity, count, names, rows.records if rows is not None else 0)
         env = child_env()
+        extra: list[str] = []
+        shared = [table.fd, self._tx.fileno()]
+        if rows is not None:
+            extra = ["--rows-fd", str(rows.table_fd), "--data-fd", str(rows.data_fd), "--ttl", repr(rows.ttl)]
+            shared += [rows.table_fd, rows.data_fd]
         for index, fd in enumerate(fds):
             # (not `-m cachefs.fuse.serve`: this package imports that module first, and runpy
             # then ran it a second time as __main__, with a RuntimeWarning in the log at
             # every start)
-            cmd = [sys.executable, "-c", SERVE_MAIN, "--index", str(index), "--fuse-fd", str(fd),
+            cmd = [sys.executable, "-c", main, "--index", str(index), "--fuse-fd", str(fd),
                    "--table-fd", str(table.fd), "--forward-fd", str(self._tx.fileno()),
-                   "--bufsize", str(self._bufsize), "--parent", str(os.getpid())]
-            proc = subprocess.Popen(cmd, pass_fds=[fd, table.fd, self._tx.fileno()], stdin=subprocess.DEVNULL,
-                                    env=env)
+                   "--bufsize", str(self._bufsize), "--parent", str(os.getpid()), *extra]
+            proc = subprocess.Popen(cmd, pass_fds=[fd, *shared], stdin=subprocess.DEVNULL, env=env)
             self.servers.append(proc)
             self.servers_alive.append(True)
             self._server_fds.append(fd)

@@ -34,6 +34,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from cachefs.config import (
     DEFAULT_SCRUB_INTERVAL,
@@ -83,6 +84,7 @@ class DiskTier(FromTable, Checks, FileStore):
                  scrub: bool = True, scrub_every: float = DEFAULT_SCRUB_INTERVAL, bring_all: bool = True):
         os.makedirs(directory, mode=0o700, exist_ok=True)
         os.chmod(directory, 0o700)
+        self.on_unpathed: list[Callable[[int], None]] = []  # told of table records a newer version replaces
         super().__init__(directory, capacity, stats, policy, max_idle, direct=True)
         self._min_free = int(min_free)
         self._scrub_every = scrub_every
@@ -290,6 +292,8 @@ class DiskTier(FromTable, Checks, FileStore):
                 n = r.table.find_path(e.path)
                 if n is not None and r.table.eid_of(n) != eid:
                     r.unpathed.add(n)  # a newer version of the path: the table's is not its newest
+                    for listener in self.on_unpathed:
+                        listener(n)
         self._append(line)
 
     def _dropping(self, e: Entry, index_: int) -> None:

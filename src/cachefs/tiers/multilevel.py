@@ -39,6 +39,14 @@ from cachefs.tiers.store import FileStore
 log = logging.getLogger(__name__)
 
 
+class TableFile(NamedTuple):
+    """A record of the NVMe tier's entry table, as the file system's table nodes need it."""
+
+    path: str
+    attr: Attr
+    eid: bytes
+
+
 class Backing(NamedTuple):
     """A complete cached file the kernel may read directly, held in its tier (not punched
     or deleted) until released. `in_ram`: it is the RAM tier's copy."""
@@ -411,6 +419,29 @@ class MultiLevelCache:
     def indexed_attr(self, path: str) -> tuple[Attr, float] | None:
         """(attributes, wall time last known good) of the newest cached version of `path`."""
         return self.disk.attr_of(path) if self.disk is not None else None
+
+    def table_file(self, n: int) -> TableFile | None:
+        """Record n of that entry table (a table node's file), if it passes its CRC."""
+        row = self.disk.table_row(n) if self.disk is not None else None
+        return None if row is None else TableFile(row.path, row.attr, row.eid)
+
+    def table_record_of(self, path: str) -> int | None:
+        """The record of that entry table holding the newest version of `path`, if any."""
+        return self.disk.table_find(path=path) if self.disk is not None else None
+
+    def table_record_of_entry(self, eid: bytes) -> int | None:
+        """The record of that entry table holding entry `eid`, if any."""
+        return self.disk.table_find(eid=eid) if self.disk is not None else None
+
+    def entry_table(self) -> tuple[int, int] | None:
+        """(a new descriptor of, records in) the entry table the NVMe tier started from
+        after a clean stop; None if it did not (see DiskTier.entry_table)."""
+        return self.disk.entry_table() if self.disk is not None else None
+
+    def on_unpathed(self, listener: Callable[[int], None]) -> None:
+        """Tell `listener` of each record of that table a newer version of its path replaces."""
+        if self.disk is not None:
+            self.disk.on_unpathed.append(listener)
 
     def confirm(self, path: str) -> None:
         """The source still has the newest cached version of `path`."""

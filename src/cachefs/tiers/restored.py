@@ -287,6 +287,27 @@ class FromTable:
                  "file's is checked at a stat before it is served", found.count, found.blocks,
                  format_size(found.used))
 
+    def table_row(self, n: int) -> Row | None:
+        """Record n of the entry table this start came from, if it passes its CRC (None
+        after any other start)."""
+        r = self._restored
+        return None if r is None or not 0 <= n < r.table.count else r.table.row(n)
+
+    def table_find(self, path: str | None = None, eid: bytes | None = None) -> int | None:
+        """The record of that table holding `path`'s newest version, or entry `eid`."""
+        r = self._restored
+        if r is None:
+            return None
+        return r.table.find_path(path) if path is not None else r.table.find(eid) if eid is not None else None
+
+    def entry_table(self) -> tuple[int, int] | None:
+        """(a new descriptor of, records in) the entry table this start came from (a clean
+        stop's), for the serving processes' table nodes; None after any other start."""
+        r = self._restored
+        if r is None:
+            return None
+        return os.dup(r.table.fileno()), r.table.count
+
     def _restored_row(self, path: str) -> tuple[int, Row] | None:
         """(record number, row) of the newest version of `path` if it is restored and cold."""
         r = self._restored

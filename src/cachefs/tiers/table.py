@@ -28,6 +28,7 @@ changes after it. `tests/test_table.py` pins the layout; change it only with a n
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import zlib
@@ -36,9 +37,10 @@ from typing import NamedTuple
 
 import xxhash
 
+from cachefs.config import CLEAN_MARGIN_NS
 from cachefs.identity import FS_ENCODING, FS_ERRORS, STAT_FIELDS, Attr
 from cachefs.tiers.entry import allocated
-from cachefs.tiers.layout import replace_durably
+from cachefs.tiers.layout import SUBDIR_CHARS, block_hash, replace_durably
 
 NAME = "entries.v1"
 MAGIC = b"cachefT1"
@@ -49,6 +51,8 @@ NEWEST = 1  # flags: the newest entry of its path (the one the path buckets lead
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _CRC_AT = 16 + 8 + 8 + 4 + 4 + 8 + 2 + 2  # the crc field's offset in a record
+_PATH_OFF = 16 + 8 + 8 + 4 + 4  # path_off, path_len's offset in a record
+_PATH_AT = struct.Struct("<QH")
 
 
 class Row(NamedTuple):
@@ -175,6 +179,9 @@ class Table:
     def close(self) -> None:
         os.close(self._fd)
 
+    def fileno(self) -> int:
+        return self._fd
+
     def _read(self, at: int, length: int) -> bytes:
         return os.pread(self._fd, length, at)
 
@@ -246,3 +253,84 @@ class Table:
 
     def eid_of(self, n: int) -> bytes:
         return self._read(HEADER.size + n * RECORD.size, 16)
+
+
+class Mapped:
+    """A written table mapped read-only, for the serving processes (cachefs/fuse/serve.py):
+    each answers the first lookup of a cached file after a restart from its record, without
+    asking the daemon. A page fault here blocks only the one single-threaded serving
+    process that takes it (the daemon reads with pread, see Table). Records are checked
+    against their CRC at every read, as Table.row checks them."""
+
+    def __init__(self, fd: int, data_fd: int = -1):
+        self._data_fd = data_fd  # the tier's data directory (open_held)
+        size = os.fstat(fd).st_size
+        self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        head = self._map[:HEADER.size]
+        magic, count, buckets, stop_ns, _, _, _, crc = HEADER.unpack(head)
+        if magic != MAGIC or crc != zlib.crc32(head[:-8]) or buckets & (buckets - 1) \
+                or HEADER.size + count * RECORD.size + 8 * buckets > size:
+            self._map.close()
+            raise ValueError("not an entry table")
+        self.count, self.stop_ns, self.size = count, stop_ns, size
+        self._mask = buckets - 1
+        self._by_path = HEADER.size + count * RECORD.size + 4 * buckets
+
+    def close(self) -> None:
+        self._map.close()
+
+    def find_path(self, pb: bytes) -> int | None:
+        """The record number of the newest entry of the path `pb` (bytes), or None."""
+        m, mask, base, count = self._map, self._mask, self._by_path, self.count
+        i = xxhash.xxh3_64_intdigest(pb) & mask
+        for _ in range(mask + 1):
+            (v,) = _U32.unpack_from(m, base + 4 * i)
+            if not v:
+                return None
+            if v <= count:
+                at = HEADER.size + (v - 1) * RECORD.size
+                path_off, path_len = _PATH_AT.unpack_from(m, at + _PATH_OFF)
+                if path_len == len(pb) and path_off + path_len <= self.size and m[path_off:path_off + path_len] == pb:
+                    return v - 1
+            i = (i + 1) & mask
+        return None
+
+    def record(self, n: int) -> tuple | None:
+        """Record n's fields as RECORD unpacks them (the 11 stat fields last), if it passes
+        its CRC and is a whole entry of one block, the newest of its path; else None."""
+        if not 0 <= n < self.count:
+            return None
+        m, at = self._map, HEADER.size + n * RECORD.size
+        f = RECORD.unpack_from(m, at)
+        if f[4] != 1 or not f[7] & NEWEST or f[5] + f[6] > self.size:  # one block, the newest
+            return None
+        rec = bytearray(m[at:at + RECORD.size])
+        rec[_CRC_AT:_CRC_AT + 4] = bytes(4)
+        if zlib.crc32(m[f[5]:f[5] + f[6]], zlib.crc32(rec)) != f[8]:
+            return None
+        return f
+
+    def open_held(self, fields: tuple) -> int:
+        """A read-only descriptor of the cached file of a record (fields as record gives
+        them) if it is as the clean stop that vouched for it left it: its size, and its
+        ctime from before that stop less the margin, or else its bytes' hash (the restart
+        check's tests, tiers/checks.py); else -1."""
+        name, synced, size = fields[0].hex(), fields[2], fields[15]
+        if not synced:
+            return -1
+        try:
+            fd = os.open(f"{name[:SUBDIR_CHARS]}/{name}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._data_fd)
+        except OSError:
+            return -1
+        try:
+            st = os.fstat(fd)
+            ok = st.st_size == size
+            if ok and st.st_ctime_ns >= synced - CLEAN_MARGIN_NS:  # (written close to the stop, or since)
+                data = os.pread(fd, size, 0)
+                ok = len(data) == size and block_hash(data) == fields[10]
+        except OSError:
+            ok = False
+        if not ok:
+            os.close(fd)
+            return -1
+        return fd

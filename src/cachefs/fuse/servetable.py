@@ -1,0 +1,388 @@
+"""The shared memory of the daemon and its serving processes (cachefs/fuse/serve.py).
+
+One memory file (memfd) holds per node a backing id (0: ask the main process) and a record
+(its published name and entry, under a sequence counter; for a directory, its path), the
+names' hash buckets, per serving process a busy counter and a count of open handles and of
+lookups per node (a release or a forget may come to any process, so a column may go
+negative; the sum is what counts), and per table node (a record of the NVMe tier's entry
+table, after a start from it) a state byte and a lock. The main process unpublishes a node
+or a name by clearing its slot or record, then waits until every serving process has been
+idle or finished a request since (`quiesce`), then folds the columns' counts into its own.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import struct
+import time
+from typing import NamedTuple
+
+import xxhash
+
+_MAGIC = b"cfsserv3"
+_HEADER = struct.Struct("<8sQIQQQ")       # magic, capacity, processes, buckets, row base, rows
+# A node's record: seq (odd while the main process writes it), parent, deadline (monotonic
+# ns), name length (0: not published), entry length; the packed entry_out; the name
+_RECORD_HEAD = struct.Struct("<IIqHH4x")
+_SEQ = struct.Struct("<I")
+_ENTRY = _RECORD_HEAD.size
+_NAME = _ENTRY + 128
+RECORD = 256
+NAME_MAX = RECORD - _NAME                  # longer names are looked up by the main process
+DIR_PATH = 0xFFFF                          # a record's entry length: the record holds a directory's path
+DIR_PATH_MAX = RECORD - _ENTRY             # (at _ENTRY); a longer path's files are the main process's
+ROW_FREE, ROW_TAKEN = 0, 1                 # a table node's state: the serving processes', or the main process's
+_LOCK_AT = 1 << 40                         # table node n's lock: byte _LOCK_AT + n of the table (fcntl)
+_FLOCK = struct.Struct("hh4xqqi4x")        # struct flock: type, whence, start, len, pid
+_LINE = 64                                 # each process's busy counter on a cache line of its own
+
+
+# A serving process's cache line in the table: u64 counters at these indices (the main
+# process writes ANSWERED, the serving process the others)
+BUSY, PENDING, REPORTS, FORWARDED, ANSWERED = 0, 1, 2, 3, 4
+F_OFD_SETLKW = 38         # (fcntl.F_OFD_SETLKW where Python has it; Linux 3.15)
+
+
+class TableNodes(NamedTuple):
+    """What the serving processes answer table nodes from: the NVMe tier's entry table
+    (`records` of them; a descriptor each process maps), the tier's data directory (a
+    descriptor: cache files opened beneath it) and --metadata-ttl."""
+
+    records: int
+    table_fd: int
+    data_fd: int
+    ttl: float
+
+
+class ServeTable:
+    """The shared memory of the main process and its serving processes (see the module
+    docstring). Layout: a header line, one cache line per process (its busy counter,
+    requests answered but not reported yet, reports sent...), then per node id a u32
+    backing id, per serving process an i32 open count and an i64 lookup count per node,
+    the names' hash buckets (u64 key, u64 node id), and a RECORD per node (its published
+    name and entry). The file is sparse: pages are touched only for the node ids in use
+    (they are given out densely, see Nodes.recycle) and the buckets' pages."""
+
+    def __init__(self, fd: int, capacity: int, processes: int, buckets: int, row_base: int = 0, rows: int = 0):
+        self.fd, self.capacity, self.processes, self.buckets = fd, capacity, processes, buckets
+        self.row_base, self.rows = row_base, rows
+        self._map = mmap.mmap(fd, self.size(capacity, processes, buckets, rows))
+        view = memoryview(self._map)
+        base = _LINE * (1 + processes)
+        self.busy = view[_LINE:base].cast("Q")  # index k * (_LINE // 8): process k's counter
+        self.slots = view[base:base + 4 * capacity].cast("I")
+        base += 4 * capacity
+        self._counts = [view[base + 4 * capacity * k:base + 4 * capacity * (k + 1)].cast("i")
+                        for k in range(processes)]
+        base += 4 * capacity * processes
+        self._lookups = [view[base + 8 * capacity * k:base + 8 * capacity * (k + 1)].cast("q")
+                         for k in range(processes)]
+        base += 8 * capacity * processes
+        self.bucket = view[base:base + 16 * buckets].cast("Q")  # [2i]: key, [2i + 1]: node id
+        base += 16 * buckets
+        self.records = view[base:base + RECORD * capacity]
+        base += RECORD * capacity
+        self.row_state = view[base:base + rows]  # per table node: ROW_FREE or ROW_TAKEN
+        self._live = 0  # names in the buckets (the main process's count)
+        # This process's own open file description of the table: the rows' locks (fcntl
+        # OFD locks) are held per description, and an inherited descriptor shares one
+        self._lock_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC) if rows else -1
+
+    @staticmethod
+    def size(capacity: int, processes: int, buckets: int, rows: int = 0) -> int:
+        return (_LINE * (1 + processes) + 4 * capacity * (1 + processes) + 8 * capacity * processes
+                + 16 * buckets + RECORD * capacity + rows)
+
+    @classmethod
+    def create(cls, capacity: int, processes: int, names: int = 0, rows: int = 0) -> ServeTable:
+        """A new table in a memfd (inherited by the serving processes), with room for
+        `names` published names (hash buckets at most half full), and for `rows` table
+        nodes (the records of the NVMe tier's entry table, see Server.row_lookup): node ids
+        `capacity` to `capacity + rows`."""
+        buckets = 1 << max(4, (2 * max(names, 1) - 1).bit_length())
+        fd = os.memfd_create("cachefs-serve-table", 0)  # not CLOEXEC: passed to the children
+        row_base = capacity if rows else 0
+        capacity += rows
+        os.ftruncate(fd, cls.size(capacity, processes, buckets, rows))
+        os.pwrite(fd, _HEADER.pack(_MAGIC, capacity, processes, buckets, row_base, rows), 0)
+        return cls(fd, capacity, processes, buckets, row_base, rows)
+
+    @classmethod
+    def attach(cls, fd: int) -> ServeTable:
+        magic, capacity, processes, buckets, row_base, rows = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
+        if magic != _MAGIC:
+            raise ValueError("not a cachefs serving table")
+        return cls(fd, capacity, processes, buckets, row_base, rows)
+
+    # -- table nodes (both sides) ---------------------------------------------------------
+
+    def row_of(self, nodeid: int) -> int:
+        """The table record a node id stands for, or -1 (not a table node)."""
+        n = nodeid - self.row_base
+        return n if self.row_base and 0 <= n < self.rows else -1
+
+    def row_lock(self, n: int, lock: bool = True) -> None:
+        """Take (or give back) table node n's lock, across processes: the check that no
+        backing id is registered for it and the registration are one step, and so are the
+        main process's taking it and reading its backing id. One registration per inode:
+        two make the kernel fail an open (EIO)."""
+        fcntl.fcntl(self._lock_fd, F_OFD_SETLKW,
+                    _FLOCK.pack(fcntl.F_WRLCK if lock else fcntl.F_UNLCK, os.SEEK_SET, _LOCK_AT + n, 1, 0))
+
+    def take_row(self, n: int) -> int:
+        """The main process takes table node n (its lookups, opens and forgets go to it from
+        now on, once quiesced): the backing id a serving process registered for it (0 if
+        none), its slot cleared. -1 if it was taken already."""
+        self.row_lock(n)
+        try:
+            if self.row_state[n] != ROW_FREE:
+                return -1
+            self.row_state[n] = ROW_TAKEN
+            nodeid = self.row_base + n
+            backing_id = int(self.slots[nodeid])
+            self.slots[nodeid] = 0
+            return backing_id
+        finally:
+            self.row_lock(n, False)
+
+    def publish_dir(self, nodeid: int, path: bytes) -> bool:
+        """Directory node `nodeid` is `path`: the serving processes look its files up in the
+        entry table. False if the path or the id does not fit (its files' lookups stay the
+        main process's). The node's record holds no name (a directory's name is never
+        published)."""
+        if not self.rows or not 0 < nodeid < self.capacity or len(path) > DIR_PATH_MAX:
+            return False
+        records, off = self.records, nodeid * RECORD
+        seq = _SEQ.unpack_from(records, off)[0]
+        _SEQ.pack_into(records, off, seq + 1)
+        _RECORD_HEAD.pack_into(records, off, seq + 1, 0, 0, len(path), DIR_PATH)
+        records[off + _ENTRY:off + _ENTRY + len(path)] = path
+        _SEQ.pack_into(records, off, seq + 2)
+        return True
+
+    def dir_path(self, nodeid: int) -> bytes | None:
+        """The path published for directory node `nodeid` (publish_dir), or None."""
+        if not 0 < nodeid < self.capacity:
+            return None
+        records, off = self.records, nodeid * RECORD
+        seq, _, _, length, kind = _RECORD_HEAD.unpack_from(records, off)
+        if seq & 1 or kind != DIR_PATH:
+            return None
+        path = bytes(records[off + _ENTRY:off + _ENTRY + length])
+        return path if _SEQ.unpack_from(records, off)[0] == seq else None
+
+    def counts(self, index: int) -> memoryview:
+        """Serving process `index`'s open counts (index 0 is the first serving process)."""
+        return self._counts[index]
+
+    def lookups(self, index: int) -> memoryview:
+        """Serving process `index`'s lookup counts (lookups answered less forgets taken)."""
+        return self._lookups[index]
+
+    # -- names (both sides) ---------------------------------------------------------------
+
+    def entry(self, parent: int, name: bytes, now_ns: int) -> tuple[int, bytes] | None:
+        """The node and packed entry_out published for `name` in directory `parent`, if
+        any and still valid at `now_ns` (CLOCK_MONOTONIC). A record being written, or a
+        bucket seen half written, is a miss: the main process answers."""
+        key = name_key(parent, name)
+        bucket, records, mask = self.bucket, self.records, self.buckets - 1
+        i = key & mask
+        while True:
+            found = bucket[2 * i]
+            if not found:
+                return None
+            if found == key:
+                nodeid = bucket[2 * i + 1]
+                if 0 < nodeid < self.capacity:
+                    off = nodeid * RECORD
+                    seq, rparent, deadline, namelen, entrylen = _RECORD_HEAD.unpack_from(records, off)
+                    if (not seq & 1 and rparent == parent and namelen == len(name) and deadline > now_ns
+                            and records[off + _NAME:off + _NAME + namelen] == name):
+                        entry = bytes(records[off + _ENTRY:off + _ENTRY + entrylen])
+                        if _SEQ.unpack_from(records, off)[0] == seq:
+                            return nodeid, entry
+                        return None
+            i = (i + 1) & mask
+
+    def find(self, parent: int, name: bytes) -> int | None:
+        """The node published for `name` in directory `parent`, whatever its deadline."""
+        found = self.entry(parent, name, -1 << 62)
+        return None if found is None else found[0]
+
+    def has_name(self, nodeid: int) -> bool:
+        """Whether the node's name is published (its lookups and forgets are counted in
+        the table): a record not being written, with a name; or a table node the main
+        process has not taken."""
+        if not 0 < nodeid < self.capacity:
+            return False
+        n = nodeid - self.row_base
+        if self.row_base and 0 <= n < self.rows and self.row_state[n] == ROW_FREE:
+            return True
+        seq, _, _, namelen, kind = _RECORD_HEAD.unpack_from(self.records, nodeid * RECORD)
+        return not seq & 1 and namelen > 0 and kind != DIR_PATH
+
+    def named(self, nodeid: int, now_ns: int = 0) -> bytes | None:
+        """The entry_out of a node whose name is published (valid at `now_ns` if given),
+        else None."""
+        if not 0 < nodeid < self.capacity:
+            return None
+        off = nodeid * RECORD
+        seq, _, deadline, namelen, entrylen = _RECORD_HEAD.unpack_from(self.records, off)
+        if seq & 1 or not namelen or deadline <= now_ns or entrylen == DIR_PATH:
+            return None
+        entry = bytes(self.records[off + _ENTRY:off + _ENTRY + entrylen])
+        return entry if _SEQ.unpack_from(self.records, off)[0] == seq else None
+
+    # -- the main process's side ---------------------------------------------------------
+
+    def publish(self, nodeid: int, backing_id: int) -> bool:
+        """Opens of `nodeid` may be answered with `backing_id` by any process. False when the
+        node id is beyond the table (its opens go to the main process)."""
+        if not 0 < nodeid < self.capacity or backing_id <= 0:
+            return False
+        self.slots[nodeid] = backing_id
+        return True
+
+    def unpublish(self, nodeid: int) -> None:
+        if 0 < nodeid < self.capacity:
+            self.slots[nodeid] = 0
+
+    def publish_name(self, nodeid: int, parent: int, name: bytes, entry: bytes, deadline_ns: int) -> bool:
+        """Lookups of `name` in `parent` may be answered with `entry` (node `nodeid`) by any
+        process until `deadline_ns`; a node published already under this name has its
+        entry and deadline replaced. One writer at a time (the caller's lock). False when
+        the name or the node id does not fit."""
+        if not 0 < nodeid < self.capacity or not 0 < len(name) <= NAME_MAX or len(entry) > _NAME - _ENTRY:
+            return False
+        records, off = self.records, nodeid * RECORD
+        seq, rparent, _, namelen, _ = _RECORD_HEAD.unpack_from(records, off)
+        known = namelen and rparent == parent and records[off + _NAME:off + _NAME + namelen] == name
+        if namelen and not known:
+            self.unpublish_name(nodeid)  # published under another name: its bucket goes
+            seq += 2
+        _SEQ.pack_into(records, off, seq + 1)  # odd: being written (a reader forwards)
+        _RECORD_HEAD.pack_into(records, off, seq + 1, parent, deadline_ns, len(name), len(entry))
+        records[off + _ENTRY:off + _ENTRY + len(entry)] = entry
+        records[off + _NAME:off + _NAME + len(name)] = name
+        if not known and not self._insert(name_key(parent, name), nodeid):
+            _RECORD_HEAD.pack_into(records, off, seq + 1, 0, 0, 0, 0)  # no room: not published
+            _SEQ.pack_into(records, off, seq + 2)
+            return False
+        _SEQ.pack_into(records, off, seq + 2)
+        return True
+
+    def unpublish_name(self, nodeid: int) -> None:
+        """Lookups of the node's name go to the main process from now on (a serving process
+        may still be answering one: see quiesce)."""
+        if not 0 < nodeid < self.capacity:
+            return
+        records, off = self.records, nodeid * RECORD
+        seq, parent, _, namelen, entrylen = _RECORD_HEAD.unpack_from(records, off)
+        if not namelen or entrylen == DIR_PATH:
+            return
+        name = bytes(records[off + _NAME:off + _NAME + namelen])
+        _SEQ.pack_into(records, off, seq + 1)
+        _RECORD_HEAD.pack_into(records, off, seq + 1, 0, 0, 0, 0)
+        _SEQ.pack_into(records, off, seq + 2)
+        key, mask, bucket = name_key(parent, name), self.buckets - 1, self.bucket
+        i = key & mask
+        while bucket[2 * i] != key or bucket[2 * i + 1] != nodeid:
+            if not bucket[2 * i]:
+                return  # not in the buckets (it did not fit)
+            i = (i + 1) & mask
+        self._live -= 1
+        # Backward-shift deletion (linear probing keeps no tombstones): each later bucket of
+        # the run whose home is not between the hole and it moves into the hole. A reader
+        # probing meanwhile may miss its name (the lookup goes to the main process), and
+        # never pairs a key with another's node: the record is compared in full.
+        j = i
+        while True:
+            j = (j + 1) & mask
+            moving = bucket[2 * j]
+            if not moving:
+                break
+            if 0 < ((moving & mask) - i) & mask <= (j - i) & mask:
+                continue  # its home is in (i, j]: it stays
+            bucket[2 * i + 1] = 0
+            bucket[2 * i] = moving
+            bucket[2 * i + 1] = bucket[2 * j + 1]
+            i = j
+        bucket[2 * i + 1] = 0
+        bucket[2 * i] = 0
+
+    def _insert(self, key: int, nodeid: int) -> bool:
+        if self._live + 1 > self.buckets * 3 // 4:
+            return False  # never, with at most half as many names as buckets (create)
+        bucket, mask = self.bucket, self.buckets - 1
+        i = key & mask
+        while bucket[2 * i]:
+            i = (i + 1) & mask
+        bucket[2 * i + 1] = nodeid
+        bucket[2 * i] = key  # the key last: a reader never pairs it with another's node id
+        self._live += 1
+        return True
+
+    def take_lookups(self, nodeid: int) -> int:
+        """The serving processes' lookup counts of `nodeid`, summed and zeroed (after
+        unpublish_name and quiesce, when no process changes them)."""
+        return self._take(self._lookups, nodeid)
+
+    def quiesce(self, alive: list[bool], timeout: float = 5.0) -> bool:
+        """Wait until every live serving process is idle or has finished the request it was
+        answering when this was called: after an unpublish, none still uses the old slot.
+        A process counts busy (odd) from the moment it has read a request until it has
+        answered it. The first sleep lets stores in flight on other cores land (the slot
+        cleared, theirs to their counters) before the counters are read."""
+        step = _LINE // 8
+        time.sleep(0.002)
+        before = [self.busy[k * step] for k in range(self.processes)]
+        deadline = time.monotonic() + timeout
+        for k, seen in enumerate(before):
+            if not alive[k]:
+                continue
+            while seen & 1 and self.busy[k * step] == seen:
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.001)
+        return True
+
+    def line(self, index: int, field: int) -> int:
+        """Serving process `index`'s counter `field` (BUSY, PENDING, REPORTS)."""
+        return int(self.busy[index * (_LINE // 8) + field])
+
+    def set_line(self, index: int, field: int, value: int) -> None:
+        self.busy[index * (_LINE // 8) + field] = value
+
+    def take_counts(self, nodeid: int) -> int:
+        """The serving processes' open counts of `nodeid`, summed and zeroed (after
+        unpublish and quiesce, when no process changes them)."""
+        return self._take(self._counts, nodeid)
+
+    def _take(self, columns: list[memoryview], nodeid: int) -> int:
+        if not 0 < nodeid < self.capacity:
+            return 0
+        total = 0
+        for column in columns:
+            total += column[nodeid]
+            column[nodeid] = 0
+        return total
+
+    def close(self) -> None:
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+        for v in (self.busy, self.slots, self.bucket, self.records, self.row_state, *self._counts, *self._lookups):
+            v.release()
+        self._counts, self._lookups = [], []
+        try:
+            self._map.close()
+        except BufferError:
+            pass
+        os.close(self.fd)
+
+
+def name_key(parent: int, name: bytes) -> int:
+    """The hash key of a name in a directory (never 0: an empty bucket)."""
+    return xxhash.xxh3_64_intdigest(name, seed=parent) | 1

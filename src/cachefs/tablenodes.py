@@ -1,0 +1,219 @@
+"""Table nodes: after a start from the NVMe tier's entry table (a clean stop's), each of its
+records is a node id of its own (ServeTable.row_base + the record's number), which the
+serving processes answer from the table itself (cachefs/fuse/serve.py, cachefs/serving.py):
+a cached file's first lookup, its getattrs, forgets and opens, the first open registering
+the file. This is the file system's side: the directories' paths published, a table node
+known here when a request for it comes here, taken from the serving processes when they
+must stop answering it, and their registrations bounded. A mixin of CachefsFS
+(cachefs/fs.py) beside Published (cachefs/published.py), whose reaper folds what they
+counted. docs/design.md, "Table nodes"."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+from array import array
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from cachefs.fuse import protocol as p
+from cachefs.fuse.servetable import ROW_FREE, ServeTable, TableNodes
+from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
+from cachefs.nodes import Backings, NodeOpen, Nodes, version_of
+from cachefs.tiers.multilevel import TableFile
+
+if TYPE_CHECKING:
+    from cachefs.config import Config
+    from cachefs.core import Core
+
+log = logging.getLogger(__name__)
+
+
+class TableNodeOwner:
+    """The file system's table nodes (see the module docstring)."""
+
+    core: Core
+    config: Config
+    nodes: Nodes
+    _table: ServeTable | None
+    _ttl: float
+    _backings: Backings | None
+    _opens: dict[int, NodeOpen]
+    _opens_lock: threading.Lock
+    _published: dict[bytes, int]
+    _unpublished: queue.SimpleQueue[tuple]
+    _node_lock: Callable[..., contextlib.AbstractContextManager[None]]
+    _forgotten: Callable[[int], None]
+    _take_back: Callable[[ServeTable, int, NodeOpen, bool], None]
+
+    _rows: bool  # table nodes are on
+    _dirs_published: set[int]
+    _row_order: array  # table nodes the serving processes registered, oldest first (from _row_head)
+    _row_head: int
+    _rows_registered: int  # of them, still theirs (the backing limit counts them)
+    _row_limit: int  # backing ids registered, this process's and theirs, at most
+
+    def _start_rows(self, rows: TableNodes) -> None:
+        """The serving processes answer table nodes (start_serving found the entry table)."""
+        table = self._table
+        assert table is not None and table.rows
+        self._rows = True
+        self.nodes.reserve(table.row_base, table.row_base + table.rows)
+        self.nodes.resolve = self._resolve_row
+        self.core.cache.on_unpathed(lambda n: self._unpublished.put(("retire", n)))
+        self._publish_dir_path(p.ROOT_ID, "/")
+        log.info("serving processes answer the %d files of the entry table", table.rows)
+
+    def _publish_dir_path(self, nodeid: int, path: str) -> None:
+        """A directory looked up: the serving processes look its files up in the entry table
+        (under its path, in the node's record; the node pinned for good, so that its id
+        stays this path's)."""
+        table = self._table
+        if table is None or nodeid in self._dirs_published or not self.nodes.pin(nodeid):
+            return
+        if not table.publish_dir(nodeid, path.encode(FS_ENCODING, FS_ERRORS)):
+            self.nodes.unpin(nodeid)
+            return
+        self._dirs_published.add(nodeid)
+        self.core.rows_serving(path)
+
+    def _free_row(self, path: str, a: Attr) -> tuple[int, TableFile] | None:
+        """The table node and record of `path` as `a` describes it, if the serving processes
+        answer it."""
+        assert self._table is not None
+        n = self.core.cache.table_record_of(path)
+        if n is None or self._table.row_state[n] != ROW_FREE:
+            return None
+        row = self.core.cache.table_file(n)
+        if row is None or version_of(row.attr) != version_of(a):
+            return None
+        return self._table.row_base + n, row
+
+    def _resolve_row(self, nodeid: int) -> bool:
+        """Nodes.resolve: a request for a table node the serving processes forwarded (one
+        they do not answer, an extended attribute, a getattr after --metadata-ttl): the
+        node is known here from its record from now on, as the version it stands for."""
+        table = self._table
+        n = -1 if table is None or not self._rows else table.row_of(nodeid)
+        if n < 0 or table is None or table.row_state[n] != ROW_FREE:
+            return False  # taken, and forgotten since: the kernel no longer holds it
+        row = self.core.cache.table_file(n)
+        if row is None:
+            return False
+        self.nodes.adopt(nodeid, row.path, row.attr)
+        return True
+
+    def _take_row(self, n: int) -> None:
+        """Table node n becomes this process's: the serving processes answer none of its
+        requests from now on (its lookups, forgets and opens are forwarded once they
+        quiesce), a backing id one of them registered is this process's (closed at its last
+        close), and the reaper folds their counts into its own (_row_taken). A taken node
+        is this process's for the rest of the mount; after the kernel forgets it, its file
+        gets a node of this process's numbering."""
+        table = self._table
+        assert table is not None and self._rows
+        nodeid = table.row_base + n
+        if table.row_state[n] != ROW_FREE:
+            return
+        row = self.core.cache.table_file(n)
+        state = None
+        with self._node_lock(nodeid, refusable=False):
+            adopted = row is not None and self.nodes.adopt(nodeid, row.path, row.attr)
+            backing_id = table.take_row(n)
+            if backing_id < 0:  # taken meanwhile (its pin is that taking's)
+                if adopted:
+                    self.nodes.unpin(nodeid)
+                return
+            if row is None:
+                return  # fails its CRC: no serving process answered it
+            if backing_id:
+                self._rows_registered -= 1
+                state = NodeOpen(FileId.of(row.path, row.attr))
+                state.refs, state.backing_id, state.eid = 0, backing_id, row.eid
+                state.published = state.private = True
+                with self._opens_lock:
+                    self._opens[nodeid] = state
+                self._published.setdefault(row.eid, nodeid)
+        self.core.stats.incr("serve.table_nodes_taken")
+        self._unpublished.put(("row", nodeid, state))
+
+    def _retire(self, n: int) -> None:
+        try:
+            self._take_row(n)  # queues ("row", ...) for the reaper
+        except Exception:
+            log.exception("taking table node %d from the serving processes failed", n)
+
+    def _row_taken(self, table: ServeTable, nodeid: int, state: NodeOpen | None) -> None:
+        """After quiesce: a taken table node's opens and lookups the serving processes
+        counted are its own now (as _take_back and _name_taken fold them)."""
+        if state is not None:
+            self._take_back(table, nodeid, state, False)
+        if self.nodes.unpin(nodeid, table.take_lookups(nodeid)):
+            self._forgotten(nodeid)
+
+    def _take_row_of(self, eid: bytes) -> None:
+        """A tier dropped the entry, or RAM took it: its table node (if the serving processes
+        still answer it) is taken, by the reaper (a tier's lock may be held here)."""
+        if not self._rows or self._table is None:
+            return
+        n = self.core.cache.table_record_of_entry(eid)
+        if n is not None and self._table.row_state[n] == ROW_FREE:
+            self._unpublished.put(("retire", n))
+
+    def _rows_counted(self, registered: list[int]) -> None:
+        """Table nodes a serving process registered a backing id for: counted against the
+        backing limit with this process's own registrations; past it, the oldest are taken
+        (their ids closed at their last close)."""
+        table = self._table
+        assert table is not None and self._backings is not None
+        self._row_order.extend(registered)
+        self._rows_registered += len(registered)
+        self.core.stats.incr("serve.table_registrations", len(registered))
+        order = self._row_order
+        while self._rows_registered + len(self._backings) > self._row_limit and self._row_head < len(order):
+            nodeid = order[self._row_head]
+            self._row_head += 1
+            n = nodeid - table.row_base
+            if table.row_state[n] == ROW_FREE:
+                self._take_row(n)
+        if self._row_head > 4096 and self._row_head * 2 > len(order):
+            del order[:self._row_head]
+            self._row_head = 0
+
+    def _table_nodes(self) -> TableNodes | None:
+        """What the serving processes answer table nodes from, after a start from the NVMe
+        tier's entry table (a clean stop's); None after any other start, or without
+        serving processes."""
+        if not self.config.serve_processes:
+            return None
+        found = self.core.cache.entry_table()
+        if found is None:
+            return None
+        table_fd, count = found
+        try:
+            data_fd = os.open(self.core.cache.fill_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            os.close(table_fd)
+            log.warning("the NVMe tier's data directory: %s; the daemon answers every first lookup", exc.strerror)
+            return None
+        return TableNodes(count, table_fd, data_fd, self._ttl)
+
+    def _table_lookup(self, path: str, a: Attr) -> tuple[int, bool]:
+        """A lookup this process answers, with table nodes on: (node id, new) as
+        Nodes.looked_up gives them, or (minus the node id, False) when there is nothing
+        to publish: a directory (its path published instead), or a file the serving
+        processes answer as a table node (the same node id as theirs)."""
+        if a.is_dir:
+            nodeid = self.nodes.add(path, a)
+            self._publish_dir_path(nodeid, path)
+            return -nodeid, False
+        free = self._free_row(path, a) if a.is_file else None
+        if free is None:
+            return self.nodes.looked_up(path, a)
+        nodeid, row = free
+        self.nodes.adopt(nodeid, row.path, row.attr)
+        found = self.nodes.add(path, a)
+        return (-nodeid, False) if found == nodeid else (found, False)  # (the path's own node was here first)
