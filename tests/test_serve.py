@@ -763,7 +763,7 @@ def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
     the table cannot vouch for, and anything of a node the main process took, is forwarded."""
     from cachefs.config import CLEAN_MARGIN_NS
     from cachefs.fuse.serve import REGISTERED
-    from cachefs.fuse.servetable import ROW_FREE, ROW_TAKEN
+    from cachefs.fuse.servetable import ROW_FREE, ROW_NAMED, ROW_TAKEN
     from cachefs.identity import Attr
     from cachefs.tiers import table as entry_table
     from cachefs.tiers.layout import block_hash
@@ -850,10 +850,25 @@ def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
         assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.OPEN
         k.send(p.FORGET, base, forget_in(1))
         assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.FORGET
+        # the main process takes a node's opens only (RAM took the file): its name is still
+        # answered here, its opens are the main process's (or its slot's, once it publishes)
+        assert t.take_row(4, named=True) == 0 and t.row_state[4] == ROW_NAMED and t.has_name(base + 4)
+        assert t.take_row(4, named=True) == -1
+        u = k.send(p.LOOKUP, 1, b"top.jpg\0")
+        assert k.reply()[:2] == (u, 0)
+        k.send(p.OPEN, base + 4, open_in(O_RDONLY))
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.OPEN
+        t.publish(base + 4, 77)
+        u = k.send(p.OPEN, base + 4, open_in(O_RDONLY))
+        assert p.OPEN_OUT.unpack(k.reply()[2])[2] == 77 and registered == [10, 70]
+        # (its slot: the main process's)
+        assert t.take_row(4) == 0 and t.row_state[4] == ROW_TAKEN and t.slots[base + 4] == 77
+        k.send(p.LOOKUP, 1, b"top.jpg\0")
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
         report = k.forwarded()
         counts, opened = decode_report(memoryview(report)[4:])
-        assert list(opened) == [base | REGISTERED, base, base, (base + 6) | REGISTERED, base + 6]
-        assert counts["lookup"][0] == 5 and counts["open"][0] == 3 and counts["forget"][0] == 1
+        assert list(opened) == [base | REGISTERED, base, base, (base + 6) | REGISTERED, base + 6, base + 4]
+        assert counts["lookup"][0] == 6 and counts["open"][0] == 4 and counts["forget"][0] == 1
         assert t.lookups(0)[base] == 0
     finally:
         k.close()

@@ -61,10 +61,10 @@ class Published:
     _forgotten: Callable[[int], None]
     # Table nodes (cachefs/tablenodes.py)
     _rows: bool
-    _take_row: Callable[[int], None]
-    _take_row_of: Callable[[bytes], None]
-    _retire: Callable[[int], None]
-    _row_taken: Callable[[ServeTable, int, NodeOpen | None], None]
+    _take_row: Callable[..., None]
+    _take_row_of: Callable[..., None]
+    _retire: Callable[..., None]
+    _row_taken: Callable[[ServeTable, int, NodeOpen | None, bool], None]
     _rows_counted: Callable[[list[int]], None]
 
     def _publish_known(self, nodeid: int, fid: FileId, new: bool, register: bool = False) -> bool:
@@ -166,6 +166,9 @@ class Published:
         if parent is None:
             return
         self._table.unpublish_name(nodeid)
+        n = self._table.row_of(nodeid)
+        if n >= 0:
+            self._table.take_row(n)  # a table node's name: its lookups come here from now on
         self._naming.add(nodeid)
         self._unpublished.put(("name", nodeid, parent))
 
@@ -215,7 +218,7 @@ class Published:
         the NVMe copy's backing id is closed then (Backings.superseded)."""
         if eid in self._published:
             self._unpublished.put(("copy", eid))
-        self._take_row_of(eid)
+        self._take_row_of(eid, True)
         if self._backings is not None:
             self._backings.superseded(eid)
 
@@ -341,13 +344,13 @@ class Published:
                 return
             for item in batch:
                 if item[0] == "retire":
-                    self._retire(item[1])
+                    self._retire(*item[1:])
             while not self._unpublished.empty():  # what the retiring queued (more goes to the next batch)
                 item = self._unpublished.get()
                 if item[0] == "stop":
                     return
                 if item[0] == "retire":
-                    self._retire(item[1])
+                    self._retire(*item[1:])
                 batch.append(item)
             rows = [item[1:] for item in batch if item[0] == "row"]
             taken = [item[1:] for item in batch if item[0] == "node"]
@@ -369,9 +372,9 @@ class Published:
                     self._name_taken(table, nodeid, parent)
                 except Exception:
                     log.exception("taking the name of node %d back from the serving processes failed", nodeid)
-            for nodeid, state in rows:
+            for nodeid, state, named in rows:
                 try:
-                    self._row_taken(table, nodeid, state)
+                    self._row_taken(table, nodeid, state, named)
                 except Exception:
                     log.exception("taking table node %d from the serving processes failed", nodeid)
 
@@ -466,7 +469,7 @@ class Published:
             return
         for state, now_in_ram, n in zip(states, in_ram, rows, strict=True):
             if n >= 0 and now_in_ram and table is not None and table.row_state[n] == ROW_FREE:
-                self._unpublished.put(("retire", n))  # RAM has it: the next open registers RAM's copy
+                self._unpublished.put(("retire", n, True))  # RAM has it: RAM's copy registered
             elif state is not None and state.published and now_in_ram and not Backings.in_ram(state.eid):
                 # RAM took the file: the node is taken back, and once its opens have closed,
                 # published again with the RAM copy (one backing per inode while open)

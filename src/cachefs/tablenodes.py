@@ -10,6 +10,7 @@ counted. docs/design.md, "Table nodes"."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cachefs.fuse import protocol as p
-from cachefs.fuse.servetable import ROW_FREE, ServeTable, TableNodes
+from cachefs.fuse.servetable import ROW_FREE, ROW_NAMED, ROW_TAKEN, ServeTable, TableNodes
 from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
 from cachefs.nodes import Backings, NodeOpen, Nodes, version_of
 from cachefs.tiers.multilevel import TableFile
@@ -48,6 +49,11 @@ class TableNodeOwner:
     _node_lock: Callable[..., contextlib.AbstractContextManager[None]]
     _forgotten: Callable[[int], None]
     _take_back: Callable[[ServeTable, int, NodeOpen, bool], None]
+    _take_name: Callable[[int], None]
+    _publish_known: Callable[..., bool]
+    _named: collections.OrderedDict[int, int]
+    _names_lock: threading.Lock
+    _name_limit: int
 
     _rows: bool  # table nodes are on
     _dirs_published: set[int]
@@ -106,23 +112,36 @@ class TableNodeOwner:
         self.nodes.adopt(nodeid, row.path, row.attr)
         return True
 
-    def _take_row(self, n: int) -> None:
+    def _take_row(self, n: int, named: bool = False) -> None:
         """Table node n becomes this process's: the serving processes answer none of its
         requests from now on (its lookups, forgets and opens are forwarded once they
         quiesce), a backing id one of them registered is this process's (closed at its last
         close), and the reaper folds their counts into its own (_row_taken). A taken node
         is this process's for the rest of the mount; after the kernel forgets it, its file
-        gets a node of this process's numbering."""
+        gets a node of this process's numbering. `named` (RAM took the file): only its opens
+        become this process's, which registers RAM's copy and publishes the node with it;
+        its name stays the serving processes' (lookups answered from the table, as a
+        published name's: the node and its directory pinned, among the names' limit),
+        until it is taken back as a published name is (_take_name)."""
         table = self._table
         assert table is not None and self._rows
         nodeid = table.row_base + n
-        if table.row_state[n] != ROW_FREE:
+        current = table.row_state[n]
+        if current == ROW_TAKEN or (named and current != ROW_FREE):
+            return
+        if current == ROW_NAMED:
+            with self._names_lock:
+                self._take_name(nodeid)
             return
         row = self.core.cache.table_file(n)
+        parent = None
+        if named and row is not None:
+            parent = self.nodes.id_of(row.path.rpartition("/")[0] or "/")
+        named = parent is not None
         state = None
         with self._node_lock(nodeid, refusable=False):
             adopted = row is not None and self.nodes.adopt(nodeid, row.path, row.attr)
-            backing_id = table.take_row(n)
+            backing_id = table.take_row(n, named)
             if backing_id < 0:  # taken meanwhile (its pin is that taking's)
                 if adopted:
                     self.nodes.unpin(nodeid)
@@ -137,31 +156,43 @@ class TableNodeOwner:
                 with self._opens_lock:
                     self._opens[nodeid] = state
                 self._published.setdefault(row.eid, nodeid)
+        if parent is not None and self.nodes.pin(parent):
+            with self._names_lock:  # a published name from now on (its record is the table's)
+                self._named[nodeid] = parent
+                while len(self._named) > self._name_limit:
+                    self._take_name(next(iter(self._named)))
         self.core.stats.incr("serve.table_nodes_taken")
-        self._unpublished.put(("row", nodeid, state))
+        self._unpublished.put(("row", nodeid, state, named))
 
-    def _retire(self, n: int) -> None:
+    def _retire(self, n: int, named: bool = False) -> None:
         try:
-            self._take_row(n)  # queues ("row", ...) for the reaper
+            self._take_row(n, named)  # queues ("row", ...) for the reaper
         except Exception:
             log.exception("taking table node %d from the serving processes failed", n)
 
-    def _row_taken(self, table: ServeTable, nodeid: int, state: NodeOpen | None) -> None:
+    def _row_taken(self, table: ServeTable, nodeid: int, state: NodeOpen | None, named: bool) -> None:
         """After quiesce: a taken table node's opens and lookups the serving processes
-        counted are its own now (as _take_back and _name_taken fold them)."""
+        counted are its own now (as _take_back and _name_taken fold them); one whose name
+        stays theirs has only its opens folded, and is published with the copy the tiers
+        have now (RAM's) once the opens of the one they registered are closed."""
         if state is not None:
-            self._take_back(table, nodeid, state, False)
+            self._take_back(table, nodeid, state, False)  # (publishes a named node again itself)
+        if named:
+            fid = self.nodes.file_id(nodeid)
+            if state is None and fid is not None and nodeid in self._named:
+                self._publish_known(nodeid, fid, False, register=True)
+            return
         if self.nodes.unpin(nodeid, table.take_lookups(nodeid)):
             self._forgotten(nodeid)
 
-    def _take_row_of(self, eid: bytes) -> None:
-        """A tier dropped the entry, or RAM took it: its table node (if the serving processes
-        still answer it) is taken, by the reaper (a tier's lock may be held here)."""
+    def _take_row_of(self, eid: bytes, named: bool = False) -> None:
+        """A tier dropped the entry, or RAM took it (`named`): its table node (if the serving
+        processes still answer it) is taken, by the reaper (a tier's lock may be held here)."""
         if not self._rows or self._table is None:
             return
         n = self.core.cache.table_record_of_entry(eid)
         if n is not None and self._table.row_state[n] == ROW_FREE:
-            self._unpublished.put(("retire", n))
+            self._unpublished.put(("retire", n, named))
 
     def _rows_counted(self, registered: list[int]) -> None:
         """Table nodes a serving process registered a backing id for: counted against the

@@ -53,7 +53,7 @@ from typing import Protocol
 
 from cachefs.fuse import protocol as p
 from cachefs.fuse.children import die_with_parent, parent_stopped
-from cachefs.fuse.servetable import _LINE, ANSWERED, FORWARDED, PENDING, REPORTS, ROW_FREE, ServeTable
+from cachefs.fuse.servetable import _LINE, ANSWERED, FORWARDED, PENDING, REPORTS, ROW_FREE, ROW_TAKEN, ServeTable
 
 OWN_FH = 1 << 63          # the handle of an open of a published node: its release may be answered anywhere
 REPORT = 1 << 31          # in a forwarded message's index: a serving process's report, not a request
@@ -275,11 +275,11 @@ class Server:
         return None if entry is None else (self.table.row_base + n, entry)
 
     def row_entry(self, n: int) -> bytes | None:
-        """The packed entry_out of table node n: while the main process has not taken it,
+        """The packed entry_out of table node n: while the main process has not taken its name,
         its record is whole (CRC), of a regular file the NVMe tier held whole at a clean
         stop, and its attributes are within --metadata-ttl of when they were stored (as the
         main process answers from the index, see metadata.py)."""
-        if self.rows is None or not 0 <= n < self.table.rows or self.table.row_state[n] != ROW_FREE:
+        if self.rows is None or not 0 <= n < self.table.rows or self.table.row_state[n] == ROW_TAKEN:
             return None
         f = self.rows.record(n)
         if f is None or not f[2] or f[1] + self.ttl <= time.time():

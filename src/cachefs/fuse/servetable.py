@@ -33,7 +33,9 @@ RECORD = 256
 NAME_MAX = RECORD - _NAME                  # longer names are looked up by the main process
 DIR_PATH = 0xFFFF                          # a record's entry length: the record holds a directory's path
 DIR_PATH_MAX = RECORD - _ENTRY             # (at _ENTRY); a longer path's files are the main process's
-ROW_FREE, ROW_TAKEN = 0, 1                 # a table node's state: the serving processes', or the main process's
+# A table node's state: the serving processes' (FREE); its name theirs and its opens the
+# main process's (NAMED: its slot is what the main process publishes); or the main process's
+ROW_FREE, ROW_NAMED, ROW_TAKEN = 0, 1, 2
 _LOCK_AT = 1 << 40                         # table node n's lock: byte _LOCK_AT + n of the table (fcntl)
 _FLOCK = struct.Struct("hh4xqqi4x")        # struct flock: type, whence, start, len, pid
 _LINE = 64                                 # each process's busy counter on a cache line of its own
@@ -131,15 +133,20 @@ class ServeTable:
         fcntl.fcntl(self._lock_fd, F_OFD_SETLKW,
                     _FLOCK.pack(fcntl.F_WRLCK if lock else fcntl.F_UNLCK, os.SEEK_SET, _LOCK_AT + n, 1, 0))
 
-    def take_row(self, n: int) -> int:
-        """The main process takes table node n (its lookups, opens and forgets go to it from
-        now on, once quiesced): the backing id a serving process registered for it (0 if
-        none), its slot cleared. -1 if it was taken already."""
+    def take_row(self, n: int, named: bool = False) -> int:
+        """The main process takes table node n's opens (`named`: its lookups, getattrs and
+        forgets stay the serving processes'), or the whole node (they go to it from now on,
+        once quiesced): the backing id a serving process registered for it (0 if none), its
+        slot cleared. -1 if it had it already. (Callers in the main process serialize the
+        takings of one node: the lock is per process.)"""
         self.row_lock(n)
         try:
-            if self.row_state[n] != ROW_FREE:
+            state = self.row_state[n]
+            if state == ROW_TAKEN or (named and state != ROW_FREE):
                 return -1
-            self.row_state[n] = ROW_TAKEN
+            self.row_state[n] = ROW_NAMED if named else ROW_TAKEN
+            if state == ROW_NAMED:
+                return 0  # its slot is the main process's already
             nodeid = self.row_base + n
             backing_id = int(self.slots[nodeid])
             self.slots[nodeid] = 0
@@ -214,12 +221,12 @@ class ServeTable:
 
     def has_name(self, nodeid: int) -> bool:
         """Whether the node's name is published (its lookups and forgets are counted in
-        the table): a record not being written, with a name; or a table node the main
-        process has not taken."""
+        the table): a record not being written, with a name; or a table node whose name the
+        main process has not taken."""
         if not 0 < nodeid < self.capacity:
             return False
         n = nodeid - self.row_base
-        if self.row_base and 0 <= n < self.rows and self.row_state[n] == ROW_FREE:
+        if self.row_base and 0 <= n < self.rows and self.row_state[n] != ROW_TAKEN:
             return True
         seq, _, _, namelen, kind = _RECORD_HEAD.unpack_from(self.records, nodeid * RECORD)
         return not seq & 1 and namelen > 0 and kind != DIR_PATH
