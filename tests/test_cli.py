@@ -29,7 +29,7 @@ def listing(root):
     "mountpoint-inside-source", "source-inside-mountpoint", "cache-inside-source", "cache-inside-mountpoint",
     "cache-unwritable", "cache-is-file", "bad-block-size", "negative-prefetch-workers", "warm-without-workers",
     "log-file-in-source", "log-file-dir-missing", "log-file-fifo", "metrics-without-prometheus-client",
-    "metrics-port-taken",
+    "metrics-port-taken", "no-backing-files",
 ])
 def test_bad_mount_requests(case, tree, capsys, fault_report, monkeypatch):
     tmp, src, mp = tree
@@ -65,6 +65,8 @@ def test_bad_mount_requests(case, tree, capsys, fault_report, monkeypatch):
         args["extra"] = ["--prefetch-workers=-3"]
     elif case == "warm-without-workers":
         args["extra"] = ["--warm", "--prefetch-workers", "0"]
+    elif case == "no-backing-files":
+        args["extra"] = ["--backing-files", "0"]
     elif case == "log-file-in-source":
         args["extra"] = ["--log-file", str(src / "a" / "log")]
     elif case == "log-file-dir-missing":

@@ -591,6 +591,29 @@ def test_a_node_id_given_out_again_is_never_taken_back_for_its_previous_file(tmp
         table.close()
 
 
+def test_destroy_returns_once_the_invalidation_thread_is_done_with_the_table(tmp_path):
+    """The daemon closes the serving processes' table after destroy: the thread that has
+    the kernel drop changed names (and quiesces the table first) must be gone by then. It
+    once was still in its quiesce, and died on the released table (seen in CI)."""
+    import types
+
+    from cachefs.config import Config
+    from cachefs.fs import CachefsFS
+    from cachefs.memsource import MemorySource
+    from tests.helpers import make_core
+
+    fs = CachefsFS(make_core(MemorySource()), Config(source="/src", mountpoint="/mnt", cache_dir=str(tmp_path)))
+    session = FakeSession()
+    fs._table = table = ServeTable.create(capacity=1024, processes=1)
+    try:
+        fs.init(types.SimpleNamespace(no_open=True), session)  # type: ignore[arg-type]
+        fs.destroy()
+        assert fs._invalidator is not None and not fs._invalidator.is_alive()
+    finally:
+        fs._table = None
+        table.close()
+
+
 def test_published_names_pin_their_nodes_and_are_taken_back_oldest_first(tmp_path):
     """The daemon's side of names: a lookup publishes the file's name (its node and its
     directory pinned: forgets counted by the serving processes do not reach the daemon),
@@ -763,7 +786,7 @@ def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
     the table cannot vouch for, and anything of a node the main process took, is forwarded."""
     from cachefs.config import CLEAN_MARGIN_NS
     from cachefs.fuse.serve import REGISTERED
-    from cachefs.fuse.servetable import ROW_FREE, ROW_NAMED, ROW_TAKEN
+    from cachefs.fuse.servetable import ROW_CLOSING, ROW_FREE, ROW_NAMED, ROW_TAKEN
     from cachefs.identity import Attr
     from cachefs.tiers import table as entry_table
     from cachefs.tiers.layout import block_hash
@@ -841,6 +864,21 @@ def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
         assert k.reply()[:2] == (u, 0)
         u = k.send(p.OPEN, base + 6, open_in(O_RDONLY))
         assert k.reply()[:2] == (u, 0) and registered == [10, 70] and t.slots[base + 6] == 42
+        # past the backing limit the main process closes a registration, the node staying
+        # here: not while it is open (its opens use the id); once nothing is, and the next
+        # open registers the file again
+        assert t.close_row(6) == 42 and t.row_state[6] == ROW_CLOSING and t.slots[base + 6] == 0
+        assert t.close_row(6) == 0 and t.row_theirs(6)
+        k.send(p.OPEN, base + 6, open_in(O_RDONLY))  # no registration while closing: forwarded
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.OPEN
+        assert not t.row_closed(6, 42) and t.row_state[6] == ROW_FREE and t.slots[base + 6] == 42
+        assert t.close_row(6) == 42
+        u = k.send(p.RELEASE, base + 6, release_in(OWN_FH | (base + 6)))  # answered here, without the slot
+        assert k.reply() == (u, 0, b"") and t.counts(0)[base + 6] == 0
+        assert t.row_closed(6, 42) and t.row_state[6] == ROW_FREE and t.slots[base + 6] == 0
+        u = k.send(p.OPEN, base + 6, open_in(O_RDONLY))
+        assert p.OPEN_OUT.unpack(k.reply()[2])[2] == 43 and registered == [10, 70, 70] and t.slots[base + 6] == 43
+        assert t.close_row(0) == 41 and t.row_closed(0, 41) is False and t.slots[base] == 41  # (2 opens)
         # the main process takes a node: its id comes back, the rest is forwarded
         assert t.take_row(0) == 41 and t.row_state[0] == ROW_TAKEN and t.slots[base] == 0
         assert t.take_row(0) == -1 and t.row_state[4] == ROW_FREE
@@ -860,15 +898,17 @@ def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
         assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.OPEN
         t.publish(base + 4, 77)
         u = k.send(p.OPEN, base + 4, open_in(O_RDONLY))
-        assert p.OPEN_OUT.unpack(k.reply()[2])[2] == 77 and registered == [10, 70]
+        assert p.OPEN_OUT.unpack(k.reply()[2])[2] == 77 and registered == [10, 70, 70]
         # (its slot: the main process's)
         assert t.take_row(4) == 0 and t.row_state[4] == ROW_TAKEN and t.slots[base + 4] == 77
         k.send(p.LOOKUP, 1, b"top.jpg\0")
         assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
         report = k.forwarded()
         counts, opened = decode_report(memoryview(report)[4:])
-        assert list(opened) == [base | REGISTERED, base, base, (base + 6) | REGISTERED, base + 6, base + 4]
-        assert counts["lookup"][0] == 6 and counts["open"][0] == 4 and counts["forget"][0] == 1
+        assert list(opened) == [base | REGISTERED, base, base, (base + 6) | REGISTERED, base + 6,
+                                (base + 6) | REGISTERED, base + 6, base + 4]
+        assert counts["lookup"][0] == 6 and counts["open"][0] == 5 and counts["forget"][0] == 1
+        assert counts["release"][0] == 1
         assert t.lookups(0)[base] == 0
     finally:
         k.close()

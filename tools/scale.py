@@ -16,7 +16,7 @@ older checkout, in the same run):
   nvme       the next epoch with the page cache dropped: every file from the NVMe tier
   pagecache  an epoch with nothing dropped
   mount      the seconds `cachefs mount` takes over the full cache
-  remount    the first epoch after that mount, page cache dropped
+  remount    the first epoch after that mount, and the one after it, page cache dropped
   memory     the daemon's memory (PSS of all its processes) per file, after the epochs
   idle       the daemon's CPU over --idle seconds of nothing, as a share of one core
 
@@ -112,7 +112,7 @@ def measure_cachefs(args: argparse.Namespace, tree: str, rel: list[str], work: s
     shutil.rmtree(cache, ignore_errors=True)
     mp = os.path.join(work, "mnt")
     out: dict = {}
-    extra = ["--metadata-ttl", "3600", *MODES[mode], *(["--serve-processes", serve] if serve is not None else [])]
+    extra = mount_args(args, mode, serve, baseline)
     with mounted(tree, mp, cache, extra, baseline, ram=args.ram_size, disk=args.disk_size) as proc:
         out["scan_cold_s"] = scan(mp)[0]
         out["cold"] = epoch(mp, rel, 1, proc)
@@ -131,7 +131,7 @@ def remount(args: argparse.Namespace, tree: str, rel: list[str], work: str, name
     """A mount over the cache a measure_cachefs left (its first stop clean), the walk, and
     one epoch with the page cache dropped."""
     cache, mp = os.path.join(work, f"cache-{name}"), os.path.join(work, "mnt")
-    extra = ["--metadata-ttl", "3600", *MODES[mode], *(["--serve-processes", serve] if serve is not None else [])]
+    extra = mount_args(args, mode, serve, baseline)
     out: dict = {}
     t0 = time.monotonic()
     with mounted(tree, mp, cache, extra, baseline, ram=args.ram_size, disk=args.disk_size) as proc:
@@ -140,7 +140,14 @@ def remount(args: argparse.Namespace, tree: str, rel: list[str], work: str, name
         out["remount"] = epoch(mp, rel, 4, proc)
         # and all the daemon did since it started (the mount, the walk, work behind it)
         out["remount"]["cpu_ms_per_file_since_mount"] = cpu(proc) / len(rel) * 1e3
+        out["remount_next"] = epoch(mp, rel, 5, proc)  # what the first epoch left for the next
     return out
+
+
+def mount_args(args: argparse.Namespace, mode: str, serve: str | None, baseline: str | None) -> list[str]:
+    """The options of a measured mount (--mount-option: the current checkout's only)."""
+    own = [] if baseline else [o for option in args.mount_option for o in option.split()]
+    return ["--metadata-ttl", "3600", *MODES[mode], *(["--serve-processes", serve] if serve is not None else []), *own]
 
 
 def remounts_only(args: argparse.Namespace, work: str) -> int:
@@ -164,9 +171,11 @@ def remounts_only(args: argparse.Namespace, work: str) -> int:
         rows.append((label, each(rs, lambda r: f"{r['mount_s']:.2f}"), each(rs, lambda r: f"{r['scan_remount_s']:.2f}"),
                      each(rs, lambda r: f"{r['remount']['files_per_s']:.0f}"),
                      each(rs, lambda r: f"{r['remount']['cpu_ms_per_file']:.3f}"),
-                     each(rs, lambda r: f"{r['remount']['cpu_ms_per_file_since_mount']:.3f}")))
+                     each(rs, lambda r: f"{r['remount']['cpu_ms_per_file_since_mount']:.3f}"),
+                     each(rs, lambda r: f"{r['remount_next']['files_per_s']:.0f}"),
+                     each(rs, lambda r: f"{r['remount_next']['cpu_ms_per_file']:.3f}")))
     table(rows, ("system", "mount s", "scan after remount s", "first epoch files/s", "ms/file",
-                 "ms/file since the mount"))
+                 "ms/file since the mount", "next epoch files/s", "ms/file"))
     write_json(args.json, {"args": vars(args), "files": len(rel), "remounts": runs})
     return 0
 
@@ -175,7 +184,9 @@ def median_row(rs: list[dict]) -> dict:
     return {"mount_s": statistics.median(r["mount_s"] for r in rs),
             "scan_remount_s": statistics.median(r["scan_remount_s"] for r in rs),
             "remount": {k: statistics.median(r["remount"][k] for r in rs)
-                        for k in ("files_per_s", "cpu_ms_per_file", "cpu_ms_per_file_since_mount")}}
+                        for k in ("files_per_s", "cpu_ms_per_file", "cpu_ms_per_file_since_mount")},
+            "remount_next": {k: statistics.median(r["remount_next"][k] for r in rs)
+                             for k in ("files_per_s", "cpu_ms_per_file")}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-processes", metavar="N[,N...]",
                    help="passthrough mounts with each of these --serve-processes, side by side")
     p.add_argument("--repeat", type=int, default=1, help="NVMe and page-cache epochs per mount (median)")
+    p.add_argument("--mount-option", action="append", default=[], metavar="OPTIONS",
+                   help="more `cachefs mount` options for the current checkout's mounts (not --baseline's)")
     p.add_argument("--remounts-only", type=int, metavar="K", default=0,
                    help="only the remount, walk and first epoch, K times alternating, over an earlier run's "
                         "caches in --workdir")

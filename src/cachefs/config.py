@@ -299,6 +299,7 @@ class Config:
     prefetch_workers: int | None = None  # None: by the source's kind (see validate)
     fetch_processes: int | None = None  # None: default_fetch_processes(); 0 = fetch in the daemon
     serve_processes: int | None = None  # None: default_serve_processes(); 0 = the daemon answers all
+    backing_files: int | None = None  # None: backing_limit() (by the machine's memory)
     warm: bool = False
     metrics_addr: str | None = None  # HOST:PORT of the Prometheus endpoint; None = off
     shared_cache: str | None = None  # memcached://HOST:PORT[,...]; None = no shared tier

@@ -38,7 +38,7 @@ from cachefs.errors import QUIET, to_errno
 from cachefs.fuse import protocol as p
 from cachefs.fuse.ops import Connection, Entry, FuseError, Opened, Operations, Request, StatFs
 from cachefs.fuse.serve import OWN_FH
-from cachefs.fuse.servetable import ROW_FREE, ServeTable
+from cachefs.fuse.servetable import ServeTable
 from cachefs.fuse.session import Session
 from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
 from cachefs.nodes import Backings, ErrorLog, NodeLocks, NodeOpen, Nodes, to_fuse_attr, version_of
@@ -132,6 +132,7 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         self._fetched: dict[int, bytes] = {}  # handle -> the file's bytes, fetched at open, no tier kept
         self._next_fh = itertools.count(1)
         self._changed: queue.Queue[str] = queue.Queue()
+        self._invalidator: threading.Thread | None = None
         self._errors = ErrorLog()
         self._fd_warned = -1e18
         self._ttl = config.metadata_ttl
@@ -146,7 +147,8 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         self._named: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._naming: set[int] = set()
         self._names_lock = threading.Lock()
-        self._name_limit = min(backing_limit(), NODE_TABLE_CAPACITY // 2)
+        self._backing_limit = config.backing_files or backing_limit()
+        self._name_limit = min(self._backing_limit, NODE_TABLE_CAPACITY // 2)
         self._reaper: threading.Thread | None = None
         self._ahead_seen: set[str] = set()
         self._ahead_unlisted: set[str] = set()
@@ -160,7 +162,9 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         self._row_order = array("I")
         self._row_head = 0
         self._rows_registered = 0
-        self._row_limit = backing_limit()
+        self._row_limit = self._backing_limit
+        self._rows_cv = threading.Condition()
+        self._rows_closing: set[int] = set()
         core.hooks.connect(on_source_changed=self._source_changed)
 
     def _out_of_descriptors(self, exc: OSError) -> None:
@@ -191,7 +195,8 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         if not conn.no_open:
             self.zero_message_open = False
         self.core.stats.set_info(zero_message_open=self.zero_message_open)
-        threading.Thread(target=self._invalidate_loop, name="cachefs-invalidate", daemon=True).start()
+        self._invalidator = threading.Thread(target=self._invalidate_loop, name="cachefs-invalidate", daemon=True)
+        self._invalidator.start()
 
     def start_serving(self, conn: Connection) -> None:
         """After INIT: choose how opens are served (see config.PASSTHROUGH_MODES), testing
@@ -202,7 +207,7 @@ class CachefsFS(Published, TableNodeOwner, Operations):
             self.passthrough, self.zero_message_open = True, False
         if usable and self.session is not None:
             self.core.hooks.connect(passthrough=True)
-            self._backings = Backings(self.session, backing_limit())
+            self._backings = Backings(self.session, self._backing_limit)
             self.core.cache.on_drop(self._dropped)
             self.core.cache.on_promoted(self._superseded)
             self.core.stats.gauge("opens.backing_files", lambda: len(self._backings or ()))
@@ -256,7 +261,9 @@ class CachefsFS(Published, TableNodeOwner, Operations):
             os.unlink(probe)
 
     def destroy(self) -> None:
-        self._changed.put("")  # stops the invalidation thread
+        self._changed.put("")  # stops the invalidation thread (it uses the table, closed after this)
+        if self._invalidator is not None:
+            self._invalidator.join(10)
         self._ahead_stopped = True  # names published ahead, then the serving processes' helper,
         self._ahead_queue.put(None)  # before what they use goes
         if self._ahead_thread is not None:
@@ -271,6 +278,7 @@ class CachefsFS(Published, TableNodeOwner, Operations):
                 state.backing.release()
         if self._backings is not None:
             self._backings.close_all()
+        self._rows, self._table = False, None  # the session closes the table: the tiers' threads leave it be
 
     def reply_failed(self, op: str, code: int) -> None:
         """The session's report of a reply the kernel refused (it logged the warning): the
@@ -301,14 +309,13 @@ class CachefsFS(Published, TableNodeOwner, Operations):
             paths = [self._changed.get()]
             while not self._changed.empty():  # many changed at once: one wait for all of them
                 paths.append(self._changed.get())
+            if "" in paths:
+                return
             for path in paths:
-                if path:
-                    self._unname(path)  # before the kernel drops the name: its next lookup comes here,
+                self._unname(path)  # before the kernel drops the name: its next lookup comes here,
             if self._table is not None and self.session is not None:  # and no answer from before is on its way
                 self._table.quiesce(self.session.servers_alive)
             for path in paths:
-                if not path:
-                    return
                 directory, _, name = path.rpartition("/")
                 parent = self.nodes.id_of(directory or "/")
                 if parent is not None and self.session is not None:
@@ -444,7 +451,7 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         fid = self._fid(nodeid, self.nodes.path(nodeid))  # ENOENT/EISDIR now, not at the first read
         if self._table is not None and self._rows:
             n = self._table.row_of(nodeid)
-            if n >= 0 and self._table.row_state[n] == ROW_FREE:
+            if n >= 0 and self._table.row_theirs(n):
                 self._take_row(n)  # an open the serving processes could not answer: this process's from now on
         if not self.passthrough:
             fh = next(self._next_fh)

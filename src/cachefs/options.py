@@ -184,6 +184,10 @@ MOUNT_OPTIONS: tuple[Option, ...] = (
         help="processes that answer the kernel's opens and releases of cached files when opens "
         "are passed through, each on its own copy of the FUSE connection; 0: the daemon "
         "answers every request itself (default: one per two cores, 1 to 8)"),
+    Option(AHEAD, "--backing-files", type=int, metavar="N",
+        help="cache files registered with the kernel for passthrough at most, each an open file "
+        "(~1.5 KB of kernel memory); past it the least recently opened are closed and "
+        "registered again at their next open (default: 1/64 of memory's worth, at least 16384)"),
     Option(AHEAD, "--warm", action="store_true",
         help="load the whole source into the cache in the background, below the job's own reads"),
     Option(SHARED, "--shared-cache", type=checked_type(parse_servers, "--shared-cache"),

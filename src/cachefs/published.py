@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from cachefs.config import AHEAD_DIRS_MAX, AHEAD_ROOM
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import REGISTERED, decode_report
-from cachefs.fuse.servetable import NAME_MAX, ROW_FREE, ServeTable
+from cachefs.fuse.servetable import NAME_MAX, ServeTable
 from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
 from cachefs.nodes import Backings, NodeOpen, Nodes, version_of
 
@@ -66,6 +66,8 @@ class Published:
     _retire: Callable[..., None]
     _row_taken: Callable[[ServeTable, int, NodeOpen | None, bool], None]
     _rows_counted: Callable[[list[int]], None]
+    _close_rows: Callable[[list[int]], dict[int, int]]
+    _rows_closed: Callable[[dict[int, int]], None]
 
     def _publish_known(self, nodeid: int, fid: FileId, new: bool, register: bool = False) -> bool:
         """A file looked up whose cached copy has a backing id already (opened in an earlier
@@ -356,7 +358,8 @@ class Published:
             taken = [item[1:] for item in batch if item[0] == "node"]
             taken += [found for item in batch if item[0] == "copy" and (found := self._unpublish_copy(table, item[1]))]
             names = [item[1:] for item in batch if item[0] == "name"]
-            if not taken and not names and not rows:
+            closing = self._close_rows([item[1] for item in batch if item[0] == "close"])
+            if not taken and not names and not rows and not closing:
                 continue
             waited = 0
             while not table.quiesce(self.session.servers_alive):
@@ -377,6 +380,7 @@ class Published:
                     self._row_taken(table, nodeid, state, named)
                 except Exception:
                     log.exception("taking table node %d from the serving processes failed", nodeid)
+            self._rows_closed(closing)
 
     def _unpublish_copy(self, table: ServeTable, key: bytes) -> tuple[int, NodeOpen, bool] | None:
         nodeid = self._published.get(key)
@@ -468,7 +472,7 @@ class Published:
             log.warning("counting %d opens the serving processes answered failed: %s", len(fids), exc)
             return
         for state, now_in_ram, n in zip(states, in_ram, rows, strict=True):
-            if n >= 0 and now_in_ram and table is not None and table.row_state[n] == ROW_FREE:
+            if n >= 0 and now_in_ram and table is not None and table.row_theirs(n):
                 self._unpublished.put(("retire", n, True))  # RAM has it: RAM's copy registered
             elif state is not None and state.published and now_in_ram and not Backings.in_ram(state.eid):
                 # RAM took the file: the node is taken back, and once its opens have closed,

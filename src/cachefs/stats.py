@@ -59,7 +59,7 @@ COUNTERS: tuple[str, ...] = (
     "warm.files_loaded", "warm.bytes_loaded",
     "reads.requests", "reads.bytes", "reads.inflight_waits",
     "opens.passthrough", "opens.daemon", "opens.fallback", "opens.filled", "serve.answered", "serve.forwarded",
-    "serve.published_ahead", "serve.table_registrations", "serve.table_nodes_taken",
+    "serve.published_ahead", "serve.table_registrations", "serve.table_nodes_taken", "serve.table_backings_closed",
     "hint.sessions_opened", "hint.paths", "hint.from_ram", "hint.from_disk", "hint.from_source", "hint.bytes",
     "hint.from_shared", "hint.used", "hint.expired", "hint.skipped", "hint.window_full", "hint.errors",
     "hint.left_on_disk",

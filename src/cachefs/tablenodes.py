@@ -29,6 +29,7 @@ from cachefs.tiers.multilevel import TableFile
 if TYPE_CHECKING:
     from cachefs.config import Config
     from cachefs.core import Core
+    from cachefs.fuse.session import Session
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,7 @@ class TableNodeOwner:
     core: Core
     config: Config
     nodes: Nodes
+    session: Session | None
     _table: ServeTable | None
     _ttl: float
     _backings: Backings | None
@@ -61,6 +63,8 @@ class TableNodeOwner:
     _row_head: int
     _rows_registered: int  # of them, still theirs (the backing limit counts them)
     _row_limit: int  # backing ids registered, this process's and theirs, at most
+    _rows_cv: threading.Condition  # the counts above, and the nodes whose backing id is being closed:
+    _rows_closing: set[int]        # a taking waits those out (see _close_rows)
 
     def _start_rows(self, rows: TableNodes) -> None:
         """The serving processes answer table nodes (start_serving found the entry table)."""
@@ -91,7 +95,7 @@ class TableNodeOwner:
         answer it."""
         assert self._table is not None
         n = self.core.cache.table_record_of(path)
-        if n is None or self._table.row_state[n] != ROW_FREE:
+        if n is None or not self._table.row_theirs(n):
             return None
         row = self.core.cache.table_file(n)
         if row is None or version_of(row.attr) != version_of(a):
@@ -104,7 +108,7 @@ class TableNodeOwner:
         node is known here from its record from now on, as the version it stands for."""
         table = self._table
         n = -1 if table is None or not self._rows else table.row_of(nodeid)
-        if n < 0 or table is None or table.row_state[n] != ROW_FREE:
+        if n < 0 or table is None or not table.row_theirs(n):
             return False  # taken, and forgotten since: the kernel no longer holds it
         row = self.core.cache.table_file(n)
         if row is None:
@@ -127,7 +131,7 @@ class TableNodeOwner:
         assert table is not None and self._rows
         nodeid = table.row_base + n
         current = table.row_state[n]
-        if current == ROW_TAKEN or (named and current != ROW_FREE):
+        if current == ROW_TAKEN or (named and current == ROW_NAMED):
             return
         if current == ROW_NAMED:
             with self._names_lock:
@@ -141,7 +145,11 @@ class TableNodeOwner:
         state = None
         with self._node_lock(nodeid, refusable=False):
             adopted = row is not None and self.nodes.adopt(nodeid, row.path, row.attr)
-            backing_id = table.take_row(n, named)
+            with self._rows_cv:
+                while n in self._rows_closing:  # (_rows_closed ends it without the node's lock)
+                    self._rows_cv.wait()
+                backing_id = table.take_row(n, named)
+                self._rows_registered -= backing_id > 0
             if backing_id < 0:  # taken meanwhile (its pin is that taking's)
                 if adopted:
                     self.nodes.unpin(nodeid)
@@ -149,7 +157,6 @@ class TableNodeOwner:
             if row is None:
                 return  # fails its CRC: no serving process answered it
             if backing_id:
-                self._rows_registered -= 1
                 state = NodeOpen(FileId.of(row.path, row.attr))
                 state.refs, state.backing_id, state.eid = 0, backing_id, row.eid
                 state.published = state.private = True
@@ -191,28 +198,70 @@ class TableNodeOwner:
         if not self._rows or self._table is None:
             return
         n = self.core.cache.table_record_of_entry(eid)
-        if n is not None and self._table.row_state[n] == ROW_FREE:
+        if n is not None and self._table.row_theirs(n):
             self._unpublished.put(("retire", n, named))
 
     def _rows_counted(self, registered: list[int]) -> None:
         """Table nodes a serving process registered a backing id for: counted against the
-        backing limit with this process's own registrations; past it, the oldest are taken
-        (their ids closed at their last close)."""
+        backing limit with this process's own registrations; past it, the oldest ids are
+        closed (by the reaper: _close_rows), the nodes staying the serving processes'."""
         table = self._table
         assert table is not None and self._backings is not None
-        self._row_order.extend(registered)
-        self._rows_registered += len(registered)
         self.core.stats.incr("serve.table_registrations", len(registered))
-        order = self._row_order
-        while self._rows_registered + len(self._backings) > self._row_limit and self._row_head < len(order):
-            nodeid = order[self._row_head]
-            self._row_head += 1
-            n = nodeid - table.row_base
-            if table.row_state[n] == ROW_FREE:
-                self._take_row(n)
-        if self._row_head > 4096 and self._row_head * 2 > len(order):
-            del order[:self._row_head]
-            self._row_head = 0
+        order, base = self._row_order, table.row_base
+        with self._rows_cv:
+            order.extend(registered)
+            self._rows_registered += len(registered)
+            while self._rows_registered + len(self._backings) > self._row_limit and self._row_head < len(order):
+                nodeid = order[self._row_head]
+                self._row_head += 1
+                if table.row_state[nodeid - base] == ROW_FREE and table.slots[nodeid]:
+                    self._rows_registered -= 1  # (given back if it was not closed)
+                    self._unpublished.put(("close", nodeid - base))
+            if self._row_head > 4096 and self._row_head * 2 > len(order):
+                del order[:self._row_head]
+                self._row_head = 0
+
+    def _close_rows(self, rows: list[int]) -> dict[int, int]:
+        """The reaper, before a quiesce: the backing ids of these table nodes, past the
+        limit, are to be closed (ServeTable.close_row); the ids by node. A taking of one of
+        them waits until _rows_closed. (Before the limit took nodes whole, and at 1.28
+        million files every open of the epoch after the first came to this process.)"""
+        table = self._table
+        assert table is not None
+        closing = {}
+        with self._rows_cv:
+            for n in rows:
+                backing_id = table.close_row(n)
+                if backing_id:
+                    closing[n] = backing_id
+                    self._rows_closing.add(n)
+                else:
+                    self._rows_registered += 1  # taken meanwhile (the taking counted it), or queued twice
+        return closing
+
+    def _rows_closed(self, closing: dict[int, int]) -> None:
+        """After the quiesce: the ids of nodes with nothing open are closed (their next open
+        registers one again, in a serving process); a node still open keeps its id, and
+        goes to the back of the queue."""
+        table = self._table
+        assert table is not None and self.session is not None
+        closed = []
+        with self._rows_cv:
+            for n, backing_id in closing.items():
+                if table.row_closed(n, backing_id):
+                    closed.append(backing_id)
+                else:
+                    self._rows_registered += 1
+                    self._row_order.append(table.row_base + n)
+                self._rows_closing.discard(n)
+            self._rows_cv.notify_all()
+        for backing_id in closed:
+            try:
+                self.session.backing_close(backing_id)
+            except OSError as exc:
+                log.warning("closing backing id %d: %s", backing_id, exc.strerror)
+        self.core.stats.incr("serve.table_backings_closed", len(closed))
 
     def _table_nodes(self) -> TableNodes | None:
         """What the serving processes answer table nodes from, after a start from the NVMe

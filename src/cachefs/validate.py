@@ -218,6 +218,8 @@ def _check_numbers(config: Config, src: str) -> None:
         config.serve_processes = default_serve_processes()
     if not 0 <= config.serve_processes <= 64:
         raise CachefsError(f"--serve-processes {config.serve_processes} must be between 0 and 64")
+    if config.backing_files is not None and not 1 <= config.backing_files <= 1 << 31:
+        raise CachefsError(f"--backing-files {config.backing_files} must be between 1 and {1 << 31}")
     if config.serve_processes and not stores_ordered():
         raise CachefsError(f"--serve-processes needs an x86-64 CPU (this is {platform.machine()}: its memory "
                            "stores may reach other cores out of order, which the serving processes' shared "

@@ -302,6 +302,48 @@ def test_a_table_node_ram_takes_is_read_from_ram_after_the_daemon_takes_its_open
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_past_the_backing_limit_table_nodes_lose_their_registrations_not_their_serving(tmp_path, mounts):
+    """More cached files than --backing-files after a remount: the oldest registrations the
+    serving process made are closed once nothing has them open, and the nodes stay the
+    serving processes' (none taken by the daemon): the next epoch's lookups and opens are
+    still theirs, registering the closed files again. The bytes are the source's."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = {f"f{i:02d}": os.urandom(20_000 + i) for i in range(60)}
+    for name, blob in data.items():
+        (src / name).write_bytes(blob)
+    limit = 16
+    args = ("--ram-size", "0", "--readahead", "off", "--serve-processes", "1", "--backing-files", str(limit))
+    mp = passthrough_mount(mounts, src, *args)
+    epoch(mp, data, 1)  # into NVMe
+    mounts.unmount(mp)
+    mp = passthrough_mount(mounts, src, *args)
+
+    def closed_after(before: int) -> int:
+        deadline = time.monotonic() + 10  # (the serving process reports its registrations when idle)
+        while stats(mp)["serve"].get("table_backings_closed", 0) - before < len(data) - limit:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        return stats(mp)["serve"].get("table_backings_closed", 0) - before
+
+    epoch(mp, data, 2)
+    assert closed_after(0) == len(data) - limit
+    s = stats(mp)
+    assert s["serve"]["table_registrations"] == len(data) and s["serve"].get("table_nodes_taken", 0) == 0
+    with open("/proc/sys/vm/drop_caches", "w") as f:  # every file looked up and opened again
+        f.write("3\n")
+    epoch(mp, data, 3)
+    assert closed_after(s["serve"]["table_backings_closed"]) == len(data) - limit
+    after = stats(mp)
+    assert after["serve"]["table_registrations"] - s["serve"]["table_registrations"] == len(data) - limit
+    assert after["serve"].get("table_nodes_taken", 0) == 0 and after["fuse"].get("errors", 0) == 0
+    stats_queries = after["fuse"]["getxattr"] - s["fuse"]["getxattr"]  # (stats() is read from an xattr)
+    assert after["serve"]["forwarded"] - s["serve"]["forwarded"] - stats_queries <= 5  # lookups, opens, releases
+    assert after["disk"]["hits"] - s["disk"]["hits"] == len(data)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
 def test_a_file_changed_on_the_source_after_a_remount_is_seen_once_its_table_node_expires(tmp_path, mounts):
     """A table node's lookups are answered from the attributes a clean stop kept, for
     --metadata-ttl after they were stored (as the daemon answers from its index): then the

@@ -53,7 +53,17 @@ from typing import Protocol
 
 from cachefs.fuse import protocol as p
 from cachefs.fuse.children import die_with_parent, parent_stopped
-from cachefs.fuse.servetable import _LINE, ANSWERED, FORWARDED, PENDING, REPORTS, ROW_FREE, ROW_TAKEN, ServeTable
+from cachefs.fuse.servetable import (
+    _LINE,
+    ANSWERED,
+    FORWARDED,
+    PENDING,
+    REPORTS,
+    ROW_CLOSING,
+    ROW_FREE,
+    ROW_TAKEN,
+    ServeTable,
+)
 
 OWN_FH = 1 << 63          # the handle of an open of a published node: its release may be answered anywhere
 REPORT = 1 << 31          # in a forwarded message's index: a serving process's report, not a request
@@ -128,7 +138,7 @@ class Server:
         busy, step = table.busy, self.index * (_LINE // 8)
         slots, counts, capacity = table.slots, table.counts(self.index), table.capacity
         row_base = table.row_base if self.rows is not None else 0
-        row_lookup, row_entry, register = self.row_lookup, self.row_entry, self.register
+        row_lookup, row_entry, register, row_closing = self.row_lookup, self.row_entry, self.register, self.row_closing
         lookups, entry_of, named, has_name = table.lookups(self.index), table.entry, table.named, table.has_name
         header = struct.Struct("<IIQQ").unpack_from  # IN_HEADER's first fields
         u64 = struct.Struct("<Q").unpack_from
@@ -216,7 +226,7 @@ class Server:
             elif opcode == IOCTL:
                 reply(error_reply(16, -errno.ENOTTY, unique))
                 kind = _OTHER
-            elif opcode == RELEASE and backing and u64(buf, 40)[0] & OWN_FH:
+            elif opcode == RELEASE and u64(buf, 40)[0] & OWN_FH and (backing or row_closing(nodeid)):
                 counts[nodeid] -= 1
                 reply(error_reply(16, 0, unique))
                 kind = _RELEASE
@@ -292,7 +302,8 @@ class Server:
 
     def register(self, n: int) -> int:
         """A backing id for table node n's cached file, registered by this process (under
-        the node's lock: one per inode), if the main process has not taken the node and the
+        the node's lock: one per inode), if the node is FREE (not taken, nor an id of its
+        being closed: that open is forwarded, and the main process takes the node) and the
         file is as the clean stop left it (its size, and its ctime from before that stop
         less the margin, or else its bytes' hash: the restart check's tests, see
         tiers/checks.py); else 0 (the open is forwarded). Reported with the opens
@@ -323,6 +334,12 @@ class Server:
             return backing
         finally:
             table.row_lock(n, False)
+
+    def row_closing(self, nodeid: int) -> bool:
+        """Whether `nodeid` is a table node whose backing id the main process is closing: its
+        releases are answered here, the slot cleared (ServeTable.close_row)."""
+        n = self.table.row_of(nodeid) if self.rows is not None else -1
+        return n >= 0 and self.table.row_state[n] == ROW_CLOSING
 
     def backing_open(self, fd: int) -> int:
         """Register `fd` as a backing file of this connection (as Session.backing_open: a

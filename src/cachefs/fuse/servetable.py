@@ -34,8 +34,10 @@ NAME_MAX = RECORD - _NAME                  # longer names are looked up by the m
 DIR_PATH = 0xFFFF                          # a record's entry length: the record holds a directory's path
 DIR_PATH_MAX = RECORD - _ENTRY             # (at _ENTRY); a longer path's files are the main process's
 # A table node's state: the serving processes' (FREE); its name theirs and its opens the
-# main process's (NAMED: its slot is what the main process publishes); or the main process's
-ROW_FREE, ROW_NAMED, ROW_TAKEN = 0, 1, 2
+# main process's (NAMED: its slot is what the main process publishes); the main process's
+# (TAKEN); or the serving processes' while the main process closes the backing id one of
+# them registered (CLOSING: they register none and answer its releases; see close_row)
+ROW_FREE, ROW_NAMED, ROW_TAKEN, ROW_CLOSING = 0, 1, 2, 3
 _LOCK_AT = 1 << 40                         # table node n's lock: byte _LOCK_AT + n of the table (fcntl)
 _FLOCK = struct.Struct("hh4xqqi4x")        # struct flock: type, whence, start, len, pid
 _LINE = 64                                 # each process's busy counter on a cache line of its own
@@ -138,10 +140,11 @@ class ServeTable:
         forgets stay the serving processes'), or the whole node (they go to it from now on,
         once quiesced): the backing id a serving process registered for it (0 if none), its
         slot cleared. -1 if it had it already. (Callers in the main process serialize the
-        takings of one node: the lock is per process.)"""
+        takings of one node, and wait out its closing: the lock is per process.)"""
         self.row_lock(n)
         try:
             state = self.row_state[n]
+            assert state != ROW_CLOSING, "a table node is taken while its backing id is being closed"
             if state == ROW_TAKEN or (named and state != ROW_FREE):
                 return -1
             self.row_state[n] = ROW_NAMED if named else ROW_TAKEN
@@ -151,6 +154,45 @@ class ServeTable:
             backing_id = int(self.slots[nodeid])
             self.slots[nodeid] = 0
             return backing_id
+        finally:
+            self.row_lock(n, False)
+
+    def row_theirs(self, n: int) -> bool:
+        """Whether the serving processes answer table node n (FREE, or CLOSING)."""
+        return self.row_state[n] in (ROW_FREE, ROW_CLOSING)
+
+    def close_row(self, n: int) -> int:
+        """Close the backing id a serving process registered for table node n without taking
+        the node, in two steps with a quiesce between them; this is the first. A FREE
+        node's slot is cleared and the node is CLOSING: no serving process registers an id
+        for it, and they answer its releases still (without the slot). The id, or 0 (not
+        FREE, or nothing registered)."""
+        nodeid = self.row_base + n
+        self.row_lock(n)
+        try:
+            if self.row_state[n] != ROW_FREE or not self.slots[nodeid]:
+                return 0
+            self.row_state[n] = ROW_CLOSING
+            backing_id = int(self.slots[nodeid])
+            self.slots[nodeid] = 0
+            return backing_id
+        finally:
+            self.row_lock(n, False)
+
+    def row_closed(self, n: int, backing_id: int) -> bool:
+        """close_row's second step, after a quiesce: the node is FREE again. With nothing
+        open (the serving processes' open counts sum to 0) its slot stays empty and the id
+        is the caller's to close, True; else the slot holds the id again (its opens use it:
+        one backing file per inode), False."""
+        nodeid = self.row_base + n
+        self.row_lock(n)
+        try:
+            assert self.row_state[n] == ROW_CLOSING
+            self.row_state[n] = ROW_FREE
+            if sum(column[nodeid] for column in self._counts):
+                self.slots[nodeid] = backing_id
+                return False
+            return True
         finally:
             self.row_lock(n, False)
 
