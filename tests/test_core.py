@@ -442,12 +442,14 @@ def test_reads_that_wait_for_a_shared_nvme_fetch_count_as_hits(tmp_path, source)
 def test_opens_counted_from_a_report_count_as_opens_do(tmp_path):
     """count_opens (the serving processes' reports) counts each tier's hits, bytes and RAM
     promotions as open_file does for the same opens, with the entry ids given (the daemon
-    passes each published node's) or computed from the files."""
+    passes each published node's) or computed from the files, or by entry id and size
+    alone (a table node's open: FileId without a path)."""
+    from cachefs.identity import FileId
     from cachefs.stats import Stats
     from cachefs.tiers.disk import DiskTier
 
     result = {}
-    for way in ("open_file", "count_opens", "count_opens_eids"):
+    for way in ("open_file", "count_opens", "count_opens_eids", "count_opens_by_entry"):
         source = MemorySource()
         fids = []
         for i in range(5):
@@ -474,10 +476,13 @@ def test_opens_counted_from_a_report_count_as_opens_do(tmp_path):
                     backing.release()
             elif way == "count_opens":
                 in_ram += core.count_opens(fids)
-            else:
+            elif way == "count_opens_eids":
                 in_ram += core.count_opens(fids, [core.entry_id(fid) for fid in fids])
+            else:
+                in_ram += core.count_opens([FileId("", fid.size, 0) for fid in fids],
+                                           [core.entry_id(fid) for fid in fids])
         result[way] = ({n: core.stats.get(n) - v for n, v in before.items()}, in_ram)
-    assert result["count_opens"] == result["count_opens_eids"]
+    assert result["count_opens"] == result["count_opens_eids"] == result["count_opens_by_entry"]
     assert result["count_opens"][0] == result["open_file"][0]
     assert result["open_file"][0]["ram.promotions"] == 5 and result["open_file"][0]["ram.hits"] == 5
     assert result["open_file"][0]["disk.served_bytes"] == result["open_file"][0]["ram.served_bytes"] == 15000

@@ -53,6 +53,8 @@ def test_rows_round_trip_and_are_found_by_id_and_by_path(tmp_path):
     assert t.used == 8192 + 0 + 110_592 + 3 * BS + 4096 + 8192     # the policy's 4 KiB blocks
     for n, r in enumerate(rows):
         assert t.row(n) == r._replace(newest=n != 0) and t.find(r.eid) == n   # (row 4 is /d/f\n1's newest)
+        assert t.eid_size(n) == (r.eid, r.attr.size)
+    assert t.eid_size(5) is None
     assert t.find_path("/d/f\n1") == 4                             # the newest version of a path
     assert t.find_path("/caf\udce9") == 1 and t.find(eid(9)) is None and t.find_path("/nope") is None
 

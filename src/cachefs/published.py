@@ -457,12 +457,12 @@ class Published:
                 fids.append(fid)
                 eids.append(None)
                 rows.append(-1)
-            elif row_base <= nodeid < row_end:  # a table node
-                row = self.core.cache.table_file(nodeid - row_base)
-                if row is not None:
+            elif row_base <= nodeid < row_end:  # a table node: counted by its entry id and size
+                found = self.core.cache.table_eid_size(nodeid - row_base)
+                if found is not None:
                     states.append(None)
-                    fids.append(FileId.of(row.path, row.attr))
-                    eids.append(row.eid)
+                    fids.append(FileId("", found[1], 0))
+                    eids.append(found[0])
                     rows.append(nodeid - row_base)
         if registered:
             self._rows_counted(registered)

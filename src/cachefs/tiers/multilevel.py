@@ -425,6 +425,10 @@ class MultiLevelCache:
         row = self.disk.table_row(n) if self.disk is not None else None
         return None if row is None else TableFile(row.path, row.attr, row.eid)
 
+    def table_eid_size(self, n: int) -> tuple[bytes, int] | None:
+        """Record n of that entry table: its entry id and file size, read cheaply (no path)."""
+        return self.disk.table_eid_size(n) if self.disk is not None else None
+
     def table_record_of(self, path: str) -> int | None:
         """The record of that entry table holding the newest version of `path`, if any."""
         return self.disk.table_find(path=path) if self.disk is not None else None

@@ -293,6 +293,11 @@ class FromTable:
         r = self._restored
         return None if r is None or not 0 <= n < r.table.count else r.table.row(n)
 
+    def table_eid_size(self, n: int) -> tuple[bytes, int] | None:
+        """Record n's entry id and file size (Table.eid_size)."""
+        r = self._restored
+        return None if r is None or not 0 <= n < r.table.count else r.table.eid_size(n)
+
     def table_find(self, path: str | None = None, eid: bytes | None = None) -> int | None:
         """The record of that table holding `path`'s newest version, or entry `eid`."""
         r = self._restored

@@ -254,6 +254,17 @@ class Table:
     def eid_of(self, n: int) -> bytes:
         return self._read(HEADER.size + n * RECORD.size, 16)
 
+    def eid_size(self, n: int) -> tuple[bytes, int] | None:
+        """Record n's entry id and file size, at one read and without its path or CRC (to
+        count an open the serving processes answered, which they did from a whole record)."""
+        if not 0 <= n < self.count:
+            return None
+        rec = self._read(HEADER.size + n * RECORD.size, RECORD.size)
+        if len(rec) < RECORD.size:
+            return None
+        f = RECORD.unpack(rec)
+        return f[0], f[15]
+
 
 class Mapped:
     """A written table mapped read-only, for the serving processes (cachefs/fuse/serve.py):
