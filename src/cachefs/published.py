@@ -380,7 +380,10 @@ class Published:
                     self._row_taken(table, nodeid, state, named)
                 except Exception:
                     log.exception("taking table node %d from the serving processes failed", nodeid)
-            self._rows_closed(closing)
+            try:
+                self._rows_closed(closing)
+            except Exception:
+                log.exception("closing the backing ids of %d table nodes failed", len(closing))
 
     def _unpublish_copy(self, table: ServeTable, key: bytes) -> tuple[int, NodeOpen, bool] | None:
         nodeid = self._published.get(key)

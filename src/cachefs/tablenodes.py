@@ -146,8 +146,11 @@ class TableNodeOwner:
         with self._node_lock(nodeid, refusable=False):
             adopted = row is not None and self.nodes.adopt(nodeid, row.path, row.attr)
             with self._rows_cv:
-                while n in self._rows_closing:  # (_rows_closed ends it without the node's lock)
-                    self._rows_cv.wait()
+                if n in self._rows_closing:  # (_rows_closed ends it without the node's lock)
+                    assert self.session is not None
+                    with self.session.blocking(refusable=False):  # another thread reads meanwhile
+                        while n in self._rows_closing:
+                            self._rows_cv.wait()
                 backing_id = table.take_row(n, named)
                 self._rows_registered -= backing_id > 0
             if backing_id < 0:  # taken meanwhile (its pin is that taking's)
@@ -232,7 +235,11 @@ class TableNodeOwner:
         closing = {}
         with self._rows_cv:
             for n in rows:
-                backing_id = table.close_row(n)
+                try:
+                    backing_id = table.close_row(n)
+                except OSError as exc:  # (its lock: nothing changed)
+                    log.warning("closing the backing id of table node %d: %s", n, exc.strerror)
+                    backing_id = 0
                 if backing_id:
                     closing[n] = backing_id
                     self._rows_closing.add(n)
@@ -248,14 +255,16 @@ class TableNodeOwner:
         assert table is not None and self.session is not None
         closed = []
         with self._rows_cv:
-            for n, backing_id in closing.items():
-                if table.row_closed(n, backing_id):
-                    closed.append(backing_id)
-                else:
-                    self._rows_registered += 1
-                    self._row_order.append(table.row_base + n)
-                self._rows_closing.discard(n)
-            self._rows_cv.notify_all()
+            try:
+                for n, backing_id in closing.items():
+                    if table.row_closed(n, backing_id):
+                        closed.append(backing_id)
+                    else:
+                        self._rows_registered += 1
+                        self._row_order.append(table.row_base + n)
+            finally:  # a taking waiting on one of them must never wait for good
+                self._rows_closing.difference_update(closing)
+                self._rows_cv.notify_all()
         for backing_id in closed:
             try:
                 self.session.backing_close(backing_id)

@@ -59,7 +59,6 @@ from cachefs.fuse.servetable import (
     FORWARDED,
     PENDING,
     REPORTS,
-    ROW_CLOSING,
     ROW_FREE,
     ROW_TAKEN,
     ServeTable,
@@ -138,7 +137,7 @@ class Server:
         busy, step = table.busy, self.index * (_LINE // 8)
         slots, counts, capacity = table.slots, table.counts(self.index), table.capacity
         row_base = table.row_base if self.rows is not None else 0
-        row_lookup, row_entry, register, row_closing = self.row_lookup, self.row_entry, self.register, self.row_closing
+        row_lookup, row_entry, register, row_theirs = self.row_lookup, self.row_entry, self.register, self.row_theirs
         lookups, entry_of, named, has_name = table.lookups(self.index), table.entry, table.named, table.has_name
         header = struct.Struct("<IIQQ").unpack_from  # IN_HEADER's first fields
         u64 = struct.Struct("<Q").unpack_from
@@ -226,7 +225,7 @@ class Server:
             elif opcode == IOCTL:
                 reply(error_reply(16, -errno.ENOTTY, unique))
                 kind = _OTHER
-            elif opcode == RELEASE and u64(buf, 40)[0] & OWN_FH and (backing or row_closing(nodeid)):
+            elif opcode == RELEASE and u64(buf, 40)[0] & OWN_FH and (backing or row_theirs(nodeid)):
                 counts[nodeid] -= 1
                 reply(error_reply(16, 0, unique))
                 kind = _RELEASE
@@ -335,11 +334,14 @@ class Server:
         finally:
             table.row_lock(n, False)
 
-    def row_closing(self, nodeid: int) -> bool:
-        """Whether `nodeid` is a table node whose backing id the main process is closing: its
-        releases are answered here, the slot cleared (ServeTable.close_row)."""
-        n = self.table.row_of(nodeid) if self.rows is not None else -1
-        return n >= 0 and self.table.row_state[n] == ROW_CLOSING
+    def row_theirs(self, nodeid: int) -> bool:
+        """Whether `nodeid` is a table node the serving processes answer (FREE, or CLOSING):
+        a release of its own handle is answered here even when its slot is empty, as while
+        the main process closes its backing id (ServeTable.close_row), or when this
+        process read the slot just before that closing was undone. (Not `self.rows`: a
+        process that could not map the entry table gets such releases too.)"""
+        n = self.table.row_of(nodeid)
+        return n >= 0 and self.table.row_theirs(n)
 
     def backing_open(self, fd: int) -> int:
         """Register `fd` as a backing file of this connection (as Session.backing_open: a
