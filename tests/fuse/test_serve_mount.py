@@ -287,8 +287,9 @@ def test_a_table_node_ram_takes_is_read_from_ram_after_the_daemon_takes_its_open
     while stats(mp)["serve"]["table_nodes_taken"] < len(data) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert stats(mp)["serve"]["table_nodes_taken"] == len(data)
-    while stats(mp)["opens"]["backing_files_ram"] < len(data) and time.monotonic() < deadline:
-        time.sleep(0.05)  # RAM's copies registered and published by the daemon
+    while stats(mp)["serve"]["published"] < len(data) and time.monotonic() < deadline:
+        time.sleep(0.05)  # RAM's copies registered and published by the daemon (registered first)
+    assert stats(mp)["serve"]["published"] == len(data)
     assert stats(mp)["opens"]["backing_files_ram"] == stats(mp)["opens"]["backing_files"] == len(data)
     assert stats(mp)["serve"]["names"] == len(data)
     with open("/proc/sys/vm/drop_caches", "w") as f:
@@ -298,7 +299,10 @@ def test_a_table_node_ram_takes_is_read_from_ram_after_the_daemon_takes_its_open
     assert resident_pages(tmp_path / "cache" / "store" / "data") == 0
     s = stats(mp)
     assert s["ram"]["hits"] - before["ram"]["hits"] == len(data) and s["fuse"].get("errors", 0) == 0
-    assert s["serve"]["forwarded"] - before["serve"]["forwarded"] <= 5  # lookups, opens, releases: theirs
+    daemons = {k: v - before["fuse"].get(k, 0) for k, v in s["fuse"].items() if not k.endswith("_us")}
+    stats_queries = daemons["getxattr"]  # (stats() is read from an xattr)
+    # lookups, opens, releases: theirs
+    assert s["serve"]["forwarded"] - before["serve"]["forwarded"] - stats_queries <= 5, daemons
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
