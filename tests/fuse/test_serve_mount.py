@@ -301,8 +301,9 @@ def test_a_table_node_ram_takes_is_read_from_ram_after_the_daemon_takes_its_open
     assert s["ram"]["hits"] - before["ram"]["hits"] == len(data) and s["fuse"].get("errors", 0) == 0
     daemons = {k: n for k, v in s["fuse"].items() if not k.endswith("_us") and (n := v - before["fuse"].get(k, 0))}
     stats_queries = daemons.get("getxattr", 0)  # (stats() is read from an xattr)
-    # lookups, opens, releases: theirs (the daemon answering them would be 3 a file, 120; a
-    # few reached it in one CI run of the whole suite, 11, cause not found: never here alone)
+    # lookups, opens, releases: theirs (the daemon answering them would be 3 a file, 120).
+    # Under CPU load a few reach it (11 in a CI run, 12 here beside two busy loops, 0-2
+    # otherwise), after every node is published: the cause is not found yet
     assert s["serve"]["forwarded"] - before["serve"]["forwarded"] - stats_queries < len(data) // 2, daemons
 
 
