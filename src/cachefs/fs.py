@@ -162,7 +162,6 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         self._row_order = array("I")
         self._row_head = 0
         self._rows_registered = 0
-        self._row_limit = self._backing_limit
         self._rows_cv = threading.Condition()
         self._rows_closing: set[int] = set()
         core.hooks.connect(on_source_changed=self._source_changed)

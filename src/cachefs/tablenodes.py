@@ -62,7 +62,7 @@ class TableNodeOwner:
     _row_order: array  # table nodes the serving processes registered, oldest first (from _row_head)
     _row_head: int
     _rows_registered: int  # of them, still theirs (the backing limit counts them)
-    _row_limit: int  # backing ids registered, this process's and theirs, at most
+    _backing_limit: int  # backing ids registered, this process's and theirs, at most (--backing-files)
     _rows_cv: threading.Condition  # the counts above, and the nodes whose backing id is being closed:
     _rows_closing: set[int]        # a taking waits those out (see _close_rows)
 
@@ -215,7 +215,7 @@ class TableNodeOwner:
         with self._rows_cv:
             order.extend(registered)
             self._rows_registered += len(registered)
-            while self._rows_registered + len(self._backings) > self._row_limit and self._row_head < len(order):
+            while self._rows_registered + len(self._backings) > self._backing_limit and self._row_head < len(order):
                 nodeid = order[self._row_head]
                 self._row_head += 1
                 if table.row_state[nodeid - base] == ROW_FREE and table.slots[nodeid]:
