@@ -141,6 +141,116 @@ def test_the_core_adopts_what_they_write_and_does_the_work_itself_without_them(t
         core.close()
 
 
+class _CountingSource(LocalSource):
+    """The daemon's own view of the source, counting the bytes it reads itself (a fetch
+    process opens the source on its own)."""
+
+    reads = 0
+
+    def read_range(self, *args):
+        _CountingSource.reads += 1
+        return super().read_range(*args)
+
+    def read_whole(self, *args):
+        _CountingSource.reads += 1
+        return super().read_whole(*args)
+
+
+def test_a_cold_file_opened_is_filled_by_a_fetch_process_and_passed_through(tmp_path):
+    """An open of a cold file of one block (no read-ahead got there first) has a fetch
+    process fetch it into the NVMe tier, and RAM's while RAM has room; the daemon reads
+    none of its bytes, adopts the file and hands the kernel its copy. Counted as the
+    block path counts a reader's fill, not as read-ahead."""
+    src, files = _jpegs(tmp_path, 3)
+    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
+    _CountingSource.reads = 0
+    core = make_core(_CountingSource(str(src)), ram=12_288, disk=disk, block_size=BS, source_timeout=5)
+    core.hooks.connect(passthrough=True)
+    cache = core.cache
+    core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2,
+                               ram_dir=cache.ram_fill_dir))
+    try:
+        in_ram = []
+        for name, data in files.items():
+            backing, in_hand = core.open_file(core.file_id(name))
+            assert in_hand is None and backing is not None and open(backing.path, "rb").read() == data
+            in_ram.append(backing.in_ram)
+            backing.release()
+            assert disk.entry(core.entry_id(core.file_id(name))) is not None
+        assert in_ram == [True, False, False]                  # RAM had room for one
+        assert _CountingSource.reads == 0                      # the daemon read no byte itself
+        counts = {k: core.stats.get(k) for k in ("opens.filled", "source.read_range", "source.bytes",
+                                                  "source.served_bytes", "ram.misses", "disk.misses",
+                                                  "prefetch.blocks", "ram.promotions")}
+        total = sum(len(d) for d in files.values())
+        assert counts == {"opens.filled": 3, "source.read_range": 3, "source.bytes": total,
+                          "source.served_bytes": total, "ram.misses": 3, "disk.misses": 3,
+                          "prefetch.blocks": 0, "ram.promotions": 0}
+        # opened again: the copies in the tiers, nothing fetched
+        backing, _ = core.open_file(core.file_id("/d/0.jpg"))
+        assert backing is not None and backing.in_ram
+        backing.release()
+        assert core.stats.get("source.read_range") == 3
+        disk.check()
+    finally:
+        core.fetchers.close()
+        core.close()
+
+
+def test_a_cold_open_of_a_file_changed_on_the_source_is_never_served_the_new_bytes(tmp_path):
+    """The fetch process checks the version the open asked for: a file replaced since its
+    lookup fails the open (ESTALE) instead of passing another version through, and no
+    copy of either version is kept under the old identity."""
+    src, files = _jpegs(tmp_path, 1)
+    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
+    core = make_core(LocalSource(str(src)), disk=disk, block_size=BS, source_timeout=5)
+    core.hooks.connect(passthrough=True)
+    core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2))
+    try:
+        fid = core.file_id("/d/0.jpg")
+        (src / "d" / "0.jpg").write_bytes(b"another version, another size")
+        with pytest.raises(OSError) as err:
+            core.open_file(fid)
+        assert err.value.errno == errno.ESTALE
+        assert disk.entry(core.entry_id(fid)) is None and core.stats.get("source.changed") >= 1
+        assert core.file_id("/d/0.jpg").size == len(b"another version, another size")
+    finally:
+        core.fetchers.close()
+        core.close()
+
+
+def test_a_request_bounded_by_its_own_timeout_runs_on_the_callers_thread(tmp_path):
+    """The source guard hands a request to one of its threads to bound it by
+    --source-timeout, unless the request keeps the timeout itself (a fetch process's)."""
+    import threading
+
+    core = make_core(LocalSource(str(tmp_path)), source_timeout=5)
+    try:
+        where = []
+        core.guard.call("stat", lambda: where.append(threading.current_thread()))
+        core.guard.call("stat", lambda: where.append(threading.current_thread()), bounded=True)
+        assert where[0] is not threading.current_thread() and where[1] is threading.current_thread()
+    finally:
+        core.close()
+
+
+def test_a_request_that_finds_every_channel_busy_times_out(pool):
+    """A fetch request keeps its timeout while it waits for a free channel too (the
+    guard relies on it: see SourceGuard.call's `bounded`)."""
+    src, _, fetchers = pool
+    (src / "a").write_bytes(b"abc")
+    held = [fetchers._free.get(timeout=5) for _ in range(2)]   # both channels taken
+    try:
+        start = time.monotonic()
+        with pytest.raises(OSError) as err:
+            fetchers.fill("/a", BS, None, 0.3)
+        assert err.value.errno == errno.ETIMEDOUT and time.monotonic() - start < 5
+    finally:
+        for sock in held:
+            fetchers._free.put(sock)
+    assert fetchers.fill("/a", BS, None, 5).kind == "stored"
+
+
 @pytest.mark.parametrize("batch", [False, True])
 def test_a_fill_is_taken_by_ram_at_once_while_ram_has_room(tmp_path, batch):
     """The fetch process writes a RAM copy of a fill RAM has free room for: RAM takes it

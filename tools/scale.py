@@ -3,6 +3,7 @@
 
     python tools/scale.py [--files 200000] [--dirs 1000] [--file-size 2048] [--baseline DIR]
                           [--serve-processes N[,N...]] [--repeat K] [--workdir DIR] [--json FILE]
+                          [--remounts-only K | --colds-only K]
 
 Makes (once, kept in --workdir) a tree of --files files in --dirs class directories
 (ImageNet-1k is 1,281,167 files in 1,000; --file-size bytes each, small by default so that a
@@ -22,7 +23,9 @@ older checkout, in the same run):
 
 with the daemon's CPU per file (user + system of all its processes) beside each epoch.
 --serve-processes 0,1,2 adds passthrough mounts with that many serving processes each;
---repeat K takes the median of K NVMe and K page-cache epochs per mount.
+--repeat K takes the median of K NVMe and K page-cache epochs per mount. --remounts-only K
+(over an earlier run's caches) and --colds-only K (fresh caches: the walk, the cold epoch
+and the next) repeat one part K times, alternating with --baseline.
 Needs root (to drop the page cache). The local disk is the source, so these are the
 daemon's own costs; slowfs (tools/targets.py) measures a slow store.
 """
@@ -150,30 +153,88 @@ def mount_args(args: argparse.Namespace, mode: str, serve: str | None, baseline:
     return ["--metadata-ttl", "3600", *MODES[mode], *(["--serve-processes", serve] if serve is not None else []), *own]
 
 
+Measure = Callable[[argparse.Namespace, str, list[str], str, str, str, "str | None"], dict]
+
+
+def alternating(args: argparse.Namespace, tree: str, work: str, rounds: int,
+                measure: Measure) -> tuple[list[str], dict[str, list[dict]]]:
+    """`measure` of the current checkout (and --baseline's), `rounds` rounds, the systems
+    alternating: the tree's files and each system's runs."""
+    rel = [os.path.relpath(x, tree) for x in list_imagefolder(tree)]
+    mode = args.modes.split(",")[0] or "passthrough"
+    systems = [(f"cachefs {mode}", mode, None)] + ([("baseline", "baseline", args.baseline)] if args.baseline else [])
+    runs: dict[str, list[dict]] = {label: [] for label, _, _ in systems}
+    for _ in range(rounds):
+        for label, name, baseline in systems:
+            runs[label].append(measure(args, tree, rel, work, name, mode, baseline))
+    return rel, runs
+
+
+def each(rs: list[dict], f: Callable[[dict], str], median: Callable[[list[dict]], dict]) -> str:
+    """A figure of every run, and of their median."""
+    return ", ".join(f(r) for r in rs) + f" (median {f(median(rs))})"
+
+
+def cold(args: argparse.Namespace, tree: str, rel: list[str], work: str, name: str, mode: str,
+         baseline: str | None) -> dict:
+    """A fresh cache: the mount, the walk, the cold epoch and the one after it (page cache
+    dropped before each), with the daemon's CPU per file split between its main process
+    and the rest (serving and fetch processes)."""
+    cache, mp = os.path.join(work, f"cache-cold-{name}"), os.path.join(work, "mnt")
+    shutil.rmtree(cache, ignore_errors=True)
+    out: dict = {}
+    with mounted(tree, mp, cache, mount_args(args, mode, None, baseline), baseline, ram=args.ram_size,
+                 disk=args.disk_size) as proc:
+        out["scan_cold_s"] = scan(mp)[0]
+        for key, seed in (("cold", 1), ("next", 2)):
+            c0 = sum(proc.cpu_times()[:2])
+            out[key] = epoch(mp, rel, seed, proc)
+            out[key]["main_ms_per_file"] = (sum(proc.cpu_times()[:2]) - c0) / len(rel) * 1e3
+    shutil.rmtree(cache, ignore_errors=True)
+    return out
+
+
+def colds_only(args: argparse.Namespace, work: str) -> int:
+    """--colds-only K: fresh caches, the walk, the cold epoch and the next, K rounds, the
+    systems alternating; each figure and the median."""
+    tree = os.path.join(work, "tree")
+    make_tree(tree, args.files, args.dirs, args.file_size)
+    rel, runs = alternating(args, tree, work, args.colds_only, cold)
+
+    def median(rs: list[dict]) -> dict:
+        return {"scan_cold_s": statistics.median(r["scan_cold_s"] for r in rs),
+                **{key: {k: statistics.median(r[key][k] for r in rs)
+                         for k in ("files_per_s", "cpu_ms_per_file", "main_ms_per_file")} for key in ("cold", "next")}}
+
+    rows = []
+    for label, rs in runs.items():
+        rows.append((label, each(rs, lambda r: f"{r['scan_cold_s']:.2f}", median),
+                     *(each(rs, lambda r, k=key, f=field, sp=spec: f"{r[k][f]:{sp}}", median)
+                       for key in ("cold", "next")
+                       for field, spec in (("files_per_s", ".0f"), ("cpu_ms_per_file", ".3f"),
+                                           ("main_ms_per_file", ".3f")))))
+    table(rows, ("system", "walk s", "cold files/s", "ms/file", "main process ms/file", "next epoch files/s",
+                 "ms/file", "main process ms/file"))
+    write_json(args.json, {"args": vars(args), "files": len(rel), "colds": runs})
+    return 0
+
+
 def remounts_only(args: argparse.Namespace, work: str) -> int:
     """--remounts-only K: the remount measures again over the caches an earlier run left in
     --workdir, K rounds, the systems alternating; each figure and the median."""
     tree = os.path.join(work, "tree")
     if not os.path.isdir(tree):
         raise SystemExit(f"scale: --remounts-only needs an earlier run's --workdir ({tree} is missing)")
-    rel = [os.path.relpath(x, tree) for x in list_imagefolder(tree)]
-    mode = args.modes.split(",")[0] or "passthrough"
-    systems = [(f"cachefs {mode}", mode, None)] + ([("baseline", "baseline", args.baseline)] if args.baseline else [])
-    runs: dict[str, list[dict]] = {label: [] for label, _, _ in systems}
-    for _ in range(args.remounts_only):
-        for label, name, baseline in systems:
-            runs[label].append(remount(args, tree, rel, work, name, mode, baseline))
-    def each(rs: list[dict], f: Callable[[dict], str]) -> str:
-        return ", ".join(f(r) for r in rs) + f" (median {f(median_row(rs))})"
-
+    rel, runs = alternating(args, tree, work, args.remounts_only, remount)
     rows = []
     for label, rs in runs.items():
-        rows.append((label, each(rs, lambda r: f"{r['mount_s']:.2f}"), each(rs, lambda r: f"{r['scan_remount_s']:.2f}"),
-                     each(rs, lambda r: f"{r['remount']['files_per_s']:.0f}"),
-                     each(rs, lambda r: f"{r['remount']['cpu_ms_per_file']:.3f}"),
-                     each(rs, lambda r: f"{r['remount']['cpu_ms_per_file_since_mount']:.3f}"),
-                     each(rs, lambda r: f"{r['remount_next']['files_per_s']:.0f}"),
-                     each(rs, lambda r: f"{r['remount_next']['cpu_ms_per_file']:.3f}")))
+        rows.append((label, each(rs, lambda r: f"{r['mount_s']:.2f}", median_row),
+                     each(rs, lambda r: f"{r['scan_remount_s']:.2f}", median_row),
+                     each(rs, lambda r: f"{r['remount']['files_per_s']:.0f}", median_row),
+                     each(rs, lambda r: f"{r['remount']['cpu_ms_per_file']:.3f}", median_row),
+                     each(rs, lambda r: f"{r['remount']['cpu_ms_per_file_since_mount']:.3f}", median_row),
+                     each(rs, lambda r: f"{r['remount_next']['files_per_s']:.0f}", median_row),
+                     each(rs, lambda r: f"{r['remount_next']['cpu_ms_per_file']:.3f}", median_row)))
     table(rows, ("system", "mount s", "scan after remount s", "first epoch files/s", "ms/file",
                  "ms/file since the mount", "next epoch files/s", "ms/file"))
     write_json(args.json, {"args": vars(args), "files": len(rel), "remounts": runs})
@@ -209,9 +270,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--remounts-only", type=int, metavar="K", default=0,
                    help="only the remount, walk and first epoch, K times alternating, over an earlier run's "
                         "caches in --workdir")
+    p.add_argument("--colds-only", type=int, metavar="K", default=0,
+                   help="only fresh caches: the walk, the cold epoch and the next, K times alternating")
     args = p.parse_args(argv)
     if not drop_caches():
         raise SystemExit("scale: needs root, to drop the page cache before each measurement")
+    if args.colds_only:
+        if not args.workdir:
+            raise SystemExit("scale: --colds-only needs --workdir (where the tree is made, or was)")
+        return colds_only(args, args.workdir)
     if args.remounts_only:
         if not args.workdir:
             raise SystemExit("scale: --remounts-only needs --workdir (an earlier run's)")

@@ -115,7 +115,8 @@ class BlockPath:
     def __init__(self, parts: Fetching, hooks: KernelHooks, prefetcher: Prefetcher | None = None,
                  readahead: bool = False, readahead_max: int = DEFAULT_READAHEAD_MAX,
                  whole_file_max: int = WHOLE_FILE_MAX, observers: list[ReadObserver] | None = None,
-                 touch_many: Callable[[Iterable[str]], None] | None = None):
+                 touch_many: Callable[[Iterable[str]], None] | None = None,
+                 fill_open: Callable[[FileId], str | None] | None = None):
         (self._source, self._meta, self._guard, self._flights, self._cache, self._stats, self._guesses,
          self._on_changed, self.namespace, self.block_size) = parts
         block_size = self.block_size
@@ -133,6 +134,9 @@ class BlockPath:
         self._observers = observers if observers is not None else []
         # a file's first read: directory read-ahead takes its directory on (DirReadahead.touch_many)
         self._touch_many = touch_many
+        # a cold file of one block opened in passthrough mode: filled by a fetch process
+        # (SmallFills.fill_open), else by this path
+        self._fill_open = fill_open
         self._cache.on_lost(self._guesses.lost)
 
     @property
@@ -321,6 +325,13 @@ class BlockPath:
         # Written once: to NVMe where there is an NVMe tier (RAM takes it when it is opened
         # again and fits, see MultiLevelCache.open_backing), else to RAM.
         to_ram = not self.fills_to_disk
+        if self._fill_open is not None and not to_ram and fid.size <= self.block_size:
+            tier = self._fill_open(fid)
+            found = self._cache.acquire_backing(eid) if tier is not None else None
+            if found is not None:
+                self._stats.add_many({"opens.filled": 1, "ram.misses": 1, "disk.misses": 1,
+                                      f"{tier}.served_bytes": fid.size})
+                return found, None
         got = [self.block(fid, index, to_ram) for index in range(block_count(fid.size, self.block_size))]
         found = self._cache.acquire_backing(eid)
         if found is None:  # the daemon serves the bytes (and counts them as it does: see cachefs.fs)

@@ -118,7 +118,8 @@ class Core:
             prefetcher.add_feeder(DIR, self.dir_readahead)
         observers: list[ReadObserver] = []
         self.blocks = BlockPath(parts, self.hooks, prefetcher, self.readahead != "off", readahead_max, whole_file_max,
-                                observers, self.dir_readahead.touch_many if self.dir_readahead is not None else None)
+                                observers, self.dir_readahead.touch_many if self.dir_readahead is not None else None,
+                                self.fills.fill_open)
         # The core's API is its parts' methods (no extra call per request).
         meta = self.metadata
         self.getattr = meta.getattr

@@ -422,11 +422,18 @@ class Fetchers:
         return FilledBatch([Filled.from_wire(r) for r in reply[1]], reply[2], reply[3])
 
     def _call(self, message: tuple, timeout: float | None, subject: str) -> tuple:  # type: ignore[type-arg]
+        """One request and its reply, within `timeout` for each of: a free channel, the
+        request sent, the reply received (a caller may rely on it: SourceGuard's `bounded`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         while True:  # a free channel; none at all while a process that ended is started again
             if self._closed or not self._all:
                 raise FetchUnavailable
+            wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
             try:
-                sock = self._free.get(timeout=0.5)
+                if wait <= 0:
+                    raise OSError(errno.ETIMEDOUT, "source did not answer in time (every fetch channel busy)",
+                                  subject)
+                sock = self._free.get(timeout=wait)
                 break
             except queue.Empty:
                 continue

@@ -155,6 +155,40 @@ class SmallFills:
         finally:
             self._unreserve(room, ram_room)
 
+    def fill_open(self, fid: FileId) -> str | None:
+        """A reader's open of this cold file of one block: fetched by a fetch process into
+        the NVMe tier (and RAM's, while RAM has room, as read-ahead's fills are), the
+        daemon adopting it, its request on this thread under the fetch process's own
+        timeout. Where the bytes came from ("source"), or None if it was not done here (no
+        fetch process, a shared tier, no free room, another thread fetching it, an error
+        the block path then meets and answers itself): the caller fetches it the block
+        path's way. A fill in the daemon's own threads cost the daemon 0.1-0.2 ms more per
+        file (the source's system calls and the NVMe write under its interpreter lock,
+        the hand-off to a source thread)."""
+        fetchers = self.fetchers
+        cache = self._cache
+        if fetchers is None or cache.shares or not cache.reserve(fid.size):
+            return None
+        key = block_key(self.namespace, fid, 0, self.block_size)
+        room, ram_room = [fid.size], [0]
+        try:
+            pending, owner = self._flights.claim(key)
+            if not owner:
+                return None
+            ram_room = self._ram_room(fetchers, fid.size)
+            with self._owning([Claim(fid, key, pending)]):
+                try:
+                    # the reader waits on a read: timed and counted as one (a fill ahead
+                    # counts its visit as a stat, and the read untimed)
+                    reply = self._guard.call("read_range", fetchers.fill, fid.path, self.block_size, fid,
+                                             self._guard.timeout or None, bool(ram_room[0]), bounded=True)
+                except FetchUnavailable:
+                    return None
+                outcome = self._fetched(fid.path, key, reply, room, ram_room=ram_room, guess=False)
+            return "source" if outcome is not None and outcome[0] == "fetched" else None
+        finally:
+            self._unreserve(room, ram_room)
+
     def _ram_room(self, fetchers: Fetchers, size: int) -> list[int]:
         """RAM's room for a fill's copy, held if free ([0]: none; the fill is NVMe's alone).
         The fetch process writes the copy from the bytes it has: RAM takes the file at its
@@ -242,18 +276,20 @@ class SmallFills:
     # -- what comes back ----------------------------------------------------------------------
 
     def _fetched(self, path: str, key: BlockKey, reply: Filled, room: list[int] | None,
-                 shared_done: bool = False, ram_room: list[int] | None = None) -> Outcome:
+                 shared_done: bool = False, ram_room: list[int] | None = None, guess: bool = True) -> Outcome:
         """What a fill does with the answer: cache the attributes, adopt or store the file
         (handing the held `room`, and `ram_room` if RAM got a copy, to the admissions),
         count, and queue what came from the source for the shared tier (unless
-        `shared_done`: a batch whose fetch process stored it there itself)."""
+        `shared_done`: a batch whose fetch process stored it there itself). `guess`: a
+        fill of read-ahead's (counted as prefetch.*), not a reader's open."""
         kind = reply.kind
         if kind == CHANGED:
             self._stats.incr("source.changed")
             self._on_changed(path)
             return "error", 0
         if kind == ERROR:
-            self._stats.incr("prefetch.errors")
+            if guess:
+                self._stats.incr("prefetch.errors")
             return "error", 0
         attr = reply.attr
         assert attr is not None
@@ -264,14 +300,16 @@ class SmallFills:
         # requests an NFS client sends (OPEN or GETATTR, then READ).
         from_shared = kind == SHARED or reply.shared
         if not from_shared:
-            self._stats.add_many({"source.read_range": 1, "source.bytes": attr.size})
+            self._stats.add_many({"source.read_range": 1, "source.bytes": attr.size} if guess else
+                                 {"source.bytes": attr.size})
         cache = self._cache
         if kind == EXISTS:
             return "cached" if cache.contains(key) else "inflight", 0
         if kind == UNSTORED:
             cache.write_failed(OSError(reply.errno, reply.message))
             return "error", 0
-        self._guesses.add(key)  # before it is visible in a tier (see BlockPath.prefetch_block)
+        if guess:
+            self._guesses.add(key)  # before it is visible in a tier (see BlockPath.prefetch_block)
         info = EntryInfo(path, attr, self.block_size)
         if kind in (READ, SHARED):
             assert reply.data is not None
@@ -284,10 +322,12 @@ class SmallFills:
                 ram_held, ram_room[0] = ram_room[0], 0
             admitted = cache.adopt(key, attr.size, reply.hash, info, reserved=held, ram_reserved=ram_held)
         if not admitted:
-            self._guesses.discard(key)
-            self._stats.incr("prefetch.no_room")
+            if guess:
+                self._guesses.discard(key)
+                self._stats.incr("prefetch.no_room")
             return "no_room", 0
-        self._stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": attr.size})
+        if guess:
+            self._stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": attr.size})
         if cache.shares and not from_shared and not shared_done:
             cache.share(key, reply.data if kind == READ else None, info, wait=share_wait())
         return "fetched", attr.size

@@ -70,8 +70,10 @@ class SourceGuard:
         """The source stopped answering (SOURCE_DOWN_AFTER requests in a row timed out)."""
         return self._down_since is not None
 
-    def call(self, op: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(*args): a request to the source, counted as source.<op>."""
+    def call(self, op: str, fn: Callable[..., Any], *args: Any, bounded: bool = False) -> Any:
+        """fn(*args): a request to the source, counted as source.<op>. `bounded`: fn keeps
+        --source-timeout itself (a fetch process's request, under its socket's timeout), so
+        it runs on the caller's thread."""
         self._stats.incr(f"source.{op}")
         if self._down_since is not None and not self._probe_due():
             self._stats.incr("source.fast_failures")
@@ -85,8 +87,10 @@ class SourceGuard:
                 if in_prefetch_thread() else self.gate.demand(kind, _size_of(kind, args)))
         try:
             with gate:
-                result = self._bounded(op, fn, args)
+                result = self._bounded(op, fn, args, bounded)
         except OSError as exc:
+            if bounded and exc.errno == errno.ETIMEDOUT:  # its own timeout (see Fetchers.fill)
+                self._stats.incr("source.timeouts")
             down, counted = source_failure(exc)
             if down:
                 self._no_answer(op, args, exc)
@@ -100,13 +104,14 @@ class SourceGuard:
         self._answered()
         return result
 
-    def _bounded(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    def _bounded(self, op: str, fn: Callable[..., Any], args: tuple[Any, ...], bounded: bool = False) -> Any:
         """fn(*args), given at most --source-timeout: it runs on a thread of its own, so a
         request that hangs holds that thread, not the reader's. The prefetch pool's own
         threads call it directly: nobody waits on them but a reader of the same block, and
-        that wait is bounded too (BlockPath.wait). The hand-off costs a cold epoch about 10%."""
+        that wait is bounded too (BlockPath.wait); so does a request that is `bounded`
+        itself. The hand-off costs a cold epoch about 10%."""
         with self._hooks.blocking():
-            if self._pool is None or in_prefetch_thread():
+            if self._pool is None or bounded or in_prefetch_thread():
                 return fn(*args)
             future = self._pool.submit(fn, *args)
             try:

@@ -165,7 +165,10 @@ def test_a_file_promoted_to_ram_is_read_from_ram_by_the_kernel(tmp_path, mounts)
     data = {f"f{i:02d}": os.urandom(20_000 + i) for i in range(40)}
     for name, blob in data.items():
         (src / name).write_bytes(blob)
-    mp = passthrough_mount(mounts, src, "--ram-size", "64MiB", "--readahead", "off", "--serve-processes", "1")
+    # fetched at open by the daemon itself, into NVMe only (a fetch process would write
+    # RAM's copy too, while RAM has room: then no promotion is left to see)
+    mp = passthrough_mount(mounts, src, "--ram-size", "64MiB", "--readahead", "off", "--serve-processes", "1",
+                           "--fetch-processes", "0")
     epoch(mp, data, 1)  # fetched whole at open, into NVMe
     epoch(mp, data, 2)  # RAM takes each
     assert stats(mp)["ram"]["promotions"] == len(data)
@@ -182,6 +185,33 @@ def test_a_file_promoted_to_ram_is_read_from_ram_by_the_kernel(tmp_path, mounts)
     assert resident_pages(tmp_path / "cache" / "store" / "data") == 0
     s = stats(mp)
     assert s["ram"]["hits"] >= len(data) and s["fuse"].get("errors", 0) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_a_file_opened_cold_is_in_ram_from_its_fill_and_read_from_there(tmp_path, mounts):
+    """A cold open has a fetch process fetch the file into NVMe and, while RAM has room,
+    into RAM too: the first epoch registers RAM's copies (none promoted, none registered
+    twice), and the next epoch is read from RAM by the kernel, nothing fetched again."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = {f"f{i:02d}": os.urandom(20_000 + i) for i in range(40)}
+    for name, blob in data.items():
+        (src / name).write_bytes(blob)
+    mp = passthrough_mount(mounts, src, "--ram-size", "64MiB", "--readahead", "off", "--serve-processes", "1")
+    epoch(mp, data, 1)
+    s = stats(mp)
+    assert (s["opens"]["filled"], s["source"]["read_range"], s["prefetch"]["blocks"]) == (40, 40, 0)
+    assert s["ram"]["promotions"] == 0
+    assert s["opens"]["backing_files_ram"] == s["opens"]["backing_files"] == len(data)
+    os.sync()  # the NVMe copies were written just now: dirty pages are not dropped
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+    assert resident_pages(tmp_path / "cache" / "store" / "data") == 0
+    epoch(mp, data, 2)
+    assert resident_pages(tmp_path / "cache" / "store" / "data") == 0
+    s = stats(mp)
+    assert s["ram"]["hits"] >= len(data) and s["source"]["read_range"] == len(data)
+    assert s["ram"]["promotions"] == 0 and s["fuse"].get("errors", 0) == 0
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
