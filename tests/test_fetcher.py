@@ -219,6 +219,37 @@ def test_a_cold_open_of_a_file_changed_on_the_source_is_never_served_the_new_byt
         core.close()
 
 
+def test_a_cold_open_fails_with_the_sources_error_or_is_done_here_with_no_channel_free(tmp_path):
+    """The fetch process's answer is the open's: a file gone from the source fails it with
+    ENOENT, asked once, the daemon reading nothing itself. With every channel taken (a
+    busy moment, or hung files) the open does not wait for one: the daemon fetches it."""
+    src, files = _jpegs(tmp_path, 2)
+    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
+    _CountingSource.reads = 0
+    core = make_core(_CountingSource(str(src)), disk=disk, block_size=BS, source_timeout=5)
+    core.hooks.connect(passthrough=True)
+    core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2))
+    try:
+        gone = core.file_id("/d/0.jpg")
+        (src / "d" / "0.jpg").unlink()
+        with pytest.raises(OSError) as err:
+            core.open_file(gone)
+        assert err.value.errno == errno.ENOENT
+        assert _CountingSource.reads == 0 and core.stats.get("source.read_range") == 1
+        held = [core.fetchers._free.get(timeout=5) for _ in range(2)]
+        try:
+            backing, _ = core.open_file(core.file_id("/d/1.jpg"))
+            assert backing is not None and open(backing.path, "rb").read() == files["/d/1.jpg"]
+            backing.release()
+        finally:
+            for sock in held:
+                core.fetchers._free.put(sock)
+        assert _CountingSource.reads == 1 and core.stats.get("source.read_range") == 2
+    finally:
+        core.fetchers.close()
+        core.close()
+
+
 def test_a_request_bounded_by_its_own_timeout_runs_on_the_callers_thread(tmp_path):
     """The source guard hands a request to one of its threads to bound it by
     --source-timeout, unless the request keeps the timeout itself (a fetch process's)."""

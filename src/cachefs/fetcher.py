@@ -413,6 +413,24 @@ class Fetchers:
         FetchUnavailable when no process can answer."""
         return Filled.from_wire(self._call(Fill(path, limit, expect, ram).wire(), timeout, path))
 
+    def fill_for_reader(self, path: str, limit: int, expect: FileId, timeout: float | None,
+                        ram: bool = False) -> Filled:
+        """fill() for a reader waiting on it: the source's error raised as the OSError it
+        was (SourceChanged for a file that is no longer `expect`), for the source guard to
+        account as a reader's request."""
+        reply = self.fill(path, limit, expect, timeout, ram)
+        if reply.kind == CHANGED:
+            raise SourceChanged(path)
+        if reply.kind == ERROR:
+            code = reply.errno or errno.EIO
+            raise OSError(code, reply.message or os.strerror(code), path)
+        return reply
+
+    @property
+    def idle(self) -> bool:
+        """Whether a channel is free now (one that is not may free up, or be a hung file's)."""
+        return not self._free.empty()
+
     def fill_many(self, requests: list[Fill], timeout: float | None) -> FilledBatch:
         """A batch of requests on one channel."""
         reply = self._call((_MANY, [r.wire() for r in requests]), timeout, requests[0].path if requests else "")
@@ -422,8 +440,9 @@ class Fetchers:
         return FilledBatch([Filled.from_wire(r) for r in reply[1]], reply[2], reply[3])
 
     def _call(self, message: tuple, timeout: float | None, subject: str) -> tuple:  # type: ignore[type-arg]
-        """One request and its reply, within `timeout` for each of: a free channel, the
-        request sent, the reply received (a caller may rely on it: SourceGuard's `bounded`)."""
+        """One request and its reply, within `timeout` in all: the wait for a free channel,
+        the request sent, the reply received (a caller relies on it: SourceGuard's
+        `bounded`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:  # a free channel; none at all while a process that ended is started again
             if self._closed or not self._all:
@@ -437,10 +456,13 @@ class Fetchers:
                 break
             except queue.Empty:
                 continue
+        limit = timeout
+        if deadline is not None and (left := deadline - time.monotonic()) < 0.9 * timeout:  # type: ignore[operator]
+            limit = max(0.001, left)  # the wait for a channel took its share of the timeout
         try:
-            if timeout != self._timeouts.get(sock.fileno()):
-                _set_timeout(sock, timeout)
-                self._timeouts[sock.fileno()] = timeout
+            if limit != self._timeouts.get(sock.fileno()):
+                _set_timeout(sock, limit)
+                self._timeouts[sock.fileno()] = limit
             _send(sock, message)
             reply = _recv(sock)
         except BlockingIOError:  # SO_RCVTIMEO ran out

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from cachefs.blockpath import Fetching, share_wait
 from cachefs.blocks import block_key
-from cachefs.errors import SourceChanged
+from cachefs.errors import SourceChanged, invalidates
 from cachefs.fetcher import (
     CHANGED,
     ERROR,
@@ -160,14 +160,17 @@ class SmallFills:
         the NVMe tier (and RAM's, while RAM has room, as read-ahead's fills are), the
         daemon adopting it, its request on this thread under the fetch process's own
         timeout. Where the bytes came from ("source"), or None if it was not done here (no
-        fetch process, a shared tier, no free room, another thread fetching it, an error
-        the block path then meets and answers itself): the caller fetches it the block
-        path's way. A fill in the daemon's own threads cost the daemon 0.1-0.2 ms more per
-        file (the source's system calls and the NVMe write under its interpreter lock,
-        the hand-off to a source thread)."""
+        fetch process or none free, a shared tier, no free room, another thread fetching
+        it or done with it): the caller fetches it the block path's way. The source's
+        error fails the open as the block path's would (a file changed since its lookup:
+        ESTALE, and its name is looked up again). A fill in the daemon's own threads cost
+        the daemon 0.1-0.2 ms more per file (the source's system calls and the NVMe write
+        under its interpreter lock, the hand-off to a source thread)."""
         fetchers = self.fetchers
         cache = self._cache
-        if fetchers is None or cache.shares or not cache.reserve(fid.size):
+        # (no channel free: a busy moment, or as many hung files as channels; the block
+        # path's source threads then do it)
+        if fetchers is None or cache.shares or not fetchers.idle or not cache.reserve(fid.size):
             return None
         key = block_key(self.namespace, fid, 0, self.block_size)
         room, ram_room = [fid.size], [0]
@@ -175,15 +178,25 @@ class SmallFills:
             pending, owner = self._flights.claim(key)
             if not owner:
                 return None
-            ram_room = self._ram_room(fetchers, fid.size)
             with self._owning([Claim(fid, key, pending)]):
+                if cache.contains(key):  # filled ahead between the open's look and the claim
+                    return None
+                ram_room = self._ram_room(fetchers, fid.size)
                 try:
                     # the reader waits on a read: timed and counted as one (a fill ahead
                     # counts its visit as a stat, and the read untimed)
-                    reply = self._guard.call("read_range", fetchers.fill, fid.path, self.block_size, fid,
-                                             self._guard.timeout or None, bool(ram_room[0]), bounded=True)
-                except FetchUnavailable:
+                    reply = self._guard.call("read_range", fetchers.fill_for_reader, fid.path, self.block_size,
+                                             fid, self._guard.timeout or None, bool(ram_room[0]), bounded=True)
+                except FetchUnavailable:  # the processes died (rare): the guard counted it already
                     return None
+                except SourceChanged:
+                    self._stats.incr("source.changed")
+                    self._on_changed(fid.path)
+                    raise
+                except OSError as exc:
+                    if invalidates(exc):
+                        self._on_changed(fid.path)  # gone or replaced: the cached stat is wrong
+                    raise
                 outcome = self._fetched(fid.path, key, reply, room, ram_room=ram_room, guess=False)
             return "source" if outcome is not None and outcome[0] == "fetched" else None
         finally:

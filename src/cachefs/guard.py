@@ -39,7 +39,7 @@ def _size_of(kind: str, args: tuple[Any, ...]) -> int:
     """The bytes a source request asks for, where its arguments say (see SourceGate)."""
     if kind == "read_range":
         return int(args[2])
-    if kind == "fill" and args[2] is not None:
+    if kind in ("fill", "fill_for_reader") and args[2] is not None:
         return int(args[2].size)
     return 0
 
