@@ -115,7 +115,10 @@ class ListingStore:
     def has(self, path: str) -> bool:
         """Whether a listing of `path` is kept (a dict lookup once adopt_existing is done)."""
         sub, name = self._file(path)
-        return name in self._sizes or (not self._adopted and os.path.exists(os.path.join(sub, name)))
+        # _adopted read first: adopt_existing ending between the dict's look and it would
+        # otherwise answer "not kept" for a listing it had just counted
+        adopted = self._adopted
+        return name in self._sizes or (not adopted and os.path.exists(os.path.join(sub, name)))
 
     def load(self, path: str) -> Kept | None:
         """The kept listing of `path`, or None."""
