@@ -560,11 +560,8 @@ class CachefsFS(Published, TableNodeOwner, Operations):
 
     def _closed(self, state: NodeOpen) -> None:
         """The node's last open closed (or the node is gone): its backing file goes back."""
-        if state.backing_id and state.private and self.session is not None:
-            try:
-                self.session.backing_close(state.backing_id)  # a serving process registered it
-            except OSError as exc:
-                log.debug("closing backing id %d failed: %s", state.backing_id, exc)
+        if state.backing_id and state.private:
+            self._close_private(state.backing_id)  # a serving process registered it
         elif state.backing_id and self._backings is not None:
             self._backings.put(state.eid)
         if state.backing is not None:

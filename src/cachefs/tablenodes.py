@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import logging
 import os
 import queue
@@ -266,11 +267,19 @@ class TableNodeOwner:
                 self._rows_closing.difference_update(closing)
                 self._rows_cv.notify_all()
         for backing_id in closed:
-            try:
-                self.session.backing_close(backing_id)
-            except OSError as exc:
-                log.warning("closing backing id %d: %s", backing_id, exc.strerror)
+            self._close_private(backing_id)
         self.core.stats.incr("serve.table_backings_closed", len(closed))
+
+    def _close_private(self, backing_id: int) -> None:
+        """Close a backing id a serving process registered (the daemon holds no file for
+        it). A connection already gone closes it anyway: nothing to say."""
+        if self.session is None:
+            return
+        try:
+            self.session.backing_close(backing_id)
+        except OSError as exc:
+            (log.debug if exc.errno in (errno.ENODEV, errno.ENOTCONN, errno.EBADF) else log.warning)(
+                "closing backing id %d: %s", backing_id, exc.strerror)
 
     def _table_nodes(self) -> TableNodes | None:
         """What the serving processes answer table nodes from, after a start from the NVMe
