@@ -236,6 +236,7 @@ def test_a_cold_open_fails_with_the_sources_error_or_is_done_here_with_no_channe
             core.open_file(gone)
         assert err.value.errno == errno.ENOENT
         assert _CountingSource.reads == 0 and core.stats.get("source.read_range") == 1
+        assert core.stats.get("opens.fill_busy") == 0
         held = [core.fetchers._free.get(timeout=5) for _ in range(2)]
         try:
             backing, _ = core.open_file(core.file_id("/d/1.jpg"))
@@ -245,6 +246,7 @@ def test_a_cold_open_fails_with_the_sources_error_or_is_done_here_with_no_channe
             for sock in held:
                 core.fetchers._free.put(sock)
         assert _CountingSource.reads == 1 and core.stats.get("source.read_range") == 2
+        assert core.stats.get("opens.fill_busy") == 1
     finally:
         core.fetchers.close()
         core.close()

@@ -457,8 +457,10 @@ class Fetchers:
             except queue.Empty:
                 continue
         limit = timeout
-        if deadline is not None and (left := deadline - time.monotonic()) < 0.9 * timeout:  # type: ignore[operator]
-            limit = max(0.001, left)  # the wait for a channel took its share of the timeout
+        if deadline is not None and timeout is not None:
+            left = deadline - time.monotonic()
+            if left < 0.9 * timeout:
+                limit = max(0.001, left)  # the wait for a channel took its share of the timeout
         try:
             if limit != self._timeouts.get(sock.fileno()):
                 _set_timeout(sock, limit)

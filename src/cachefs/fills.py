@@ -170,7 +170,12 @@ class SmallFills:
         cache = self._cache
         # (no channel free: a busy moment, or as many hung files as channels; the block
         # path's source threads then do it)
-        if fetchers is None or cache.shares or not fetchers.idle or not cache.reserve(fid.size):
+        if fetchers is None or cache.shares:
+            return None
+        if not fetchers.idle:
+            self._stats.incr("opens.fill_busy")
+            return None
+        if not cache.reserve(fid.size):
             return None
         key = block_key(self.namespace, fid, 0, self.block_size)
         room, ram_room = [fid.size], [0]
@@ -190,8 +195,7 @@ class SmallFills:
                 except FetchUnavailable:  # the processes died (rare): the guard counted it already
                     return None
                 except SourceChanged:
-                    self._stats.incr("source.changed")
-                    self._on_changed(fid.path)
+                    self._changed(fid.path)
                     raise
                 except OSError as exc:
                     if invalidates(exc):
@@ -201,6 +205,12 @@ class SmallFills:
             return "source" if outcome is not None and outcome[0] == "fetched" else None
         finally:
             self._unreserve(room, ram_room)
+
+    def _changed(self, path: str) -> None:
+        """The source's file at `path` is not the version the fill asked for: counted, and
+        its cached attributes forgotten (the next lookup asks the source)."""
+        self._stats.incr("source.changed")
+        self._on_changed(path)
 
     def _ram_room(self, fetchers: Fetchers, size: int) -> list[int]:
         """RAM's room for a fill's copy, held if free ([0]: none; the fill is NVMe's alone).
@@ -297,8 +307,7 @@ class SmallFills:
         fill of read-ahead's (counted as prefetch.*), not a reader's open."""
         kind = reply.kind
         if kind == CHANGED:
-            self._stats.incr("source.changed")
-            self._on_changed(path)
+            self._changed(path)
             return "error", 0
         if kind == ERROR:
             if guess:
