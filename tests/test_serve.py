@@ -922,3 +922,49 @@ def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
         os.close(tfd)
         os.close(dfd)
         t.close()
+
+
+def test_a_serving_process_maps_a_checkpoints_table_once_the_main_process_publishes_it(tmp_path):
+    """A mount that started without an entry table gives the serving table room for table
+    nodes; once the main process publishes a checkpoint's (its table and data directory,
+    by descriptor), a serving process maps them through /proc at its next look and
+    answers their lookups and opens as a start's; until then they are forwarded."""
+    from cachefs.config import CLEAN_MARGIN_NS
+    from cachefs.identity import Attr
+    from cachefs.serving import Mapped
+    from cachefs.tiers import table as entry_table
+    from cachefs.tiers.table import Row
+
+    data = tmp_path / "data"
+    eid = bytes([9]) * 16
+    (data / eid.hex()[:2]).mkdir(parents=True)
+    (data / eid.hex()[:2] / eid.hex()).write_bytes(b"y" * 30)
+    synced = time.time_ns() + 10 * CLEAN_MARGIN_NS  # (the file is older than this checkpoint)
+    attr = Attr(0o100444, 1, 0, 0, 30, 1, 2, 3, 8, 0, 77)
+    entry_table.write(str(tmp_path / "t"), [Row(eid, "/d/a.jpg", attr, 1 << 20, time.time(), synced, [1])], synced, 5)
+    main = ServeTable.create(capacity=1024, processes=1, room=64)
+    mine = ServeTable.attach(os.dup(main.fd))  # the serving process's own view of the memfd
+    assert (main.rows, main.room, main.row_base, mine.rows, mine.room) == (0, 64, 1024, 0, 64)
+    k = FakeKernel(mine, ttl=3600.0, rows_from=Mapped)
+    k.server.main_pid = os.getpid()
+    k.server.backing_open = lambda fd: 77  # type: ignore[method-assign]
+    tfd = os.open(tmp_path / "t", os.O_RDONLY)
+    dfd = os.open(data, os.O_PATH | os.O_DIRECTORY)
+    try:
+        k.send(p.LOOKUP, 7, b"a.jpg\0")
+        assert k.forwarded()[4:] and mine.rows == 0                 # no table nodes yet
+        main.publish_rows(1, tfd, dfd)
+        assert main.publish_dir(7, b"/d") and main.rows == 1
+        time.sleep(0.1)                                            # (a look every MAIN_CHECK)
+        u = k.send(p.LOOKUP, 7, b"a.jpg\0")
+        assert k.reply() == (u, 0, p.pack_entry_of(1024, 77, 0o100444, 1, 0, 0, 30, 1, 2, 3, 8, 0, (3600, 0)))
+        assert mine.rows == 1 and mine.rows_published() is None     # mapped once
+        u = k.send(p.OPEN, 1024, open_in(os.O_RDONLY))
+        unique, error, out = k.reply()
+        assert (unique, error) == (u, 0) and main.slots[1024] == 77  # registered by the serving process
+    finally:
+        k.close()
+        os.close(tfd)
+        os.close(dfd)
+        mine.close()
+        main.close()

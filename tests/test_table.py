@@ -305,3 +305,57 @@ def test_a_mapped_table_finds_paths_and_gives_whole_one_block_records_only(tmp_p
             table.Mapped(fd)
     finally:
         os.close(fd)
+
+
+def test_a_checkpoint_is_a_table_of_what_a_mount_without_one_holds(disk):
+    """A mount that started without a table (its first) writes the entries it holds as a
+    table of their own, for the serving processes' table nodes: found by path and by id,
+    each vouched for by the checkpoint, counted in the budget; a newer version of a path
+    retires its record; one checkpoint a mount, none after a start from a table; the
+    index does not name it, and the next start (or a clean stop) removes it."""
+    t = disk()
+    data = {n: os.urandom(3000 + n) for n in range(20)}
+    for n, d in data.items():
+        put(t, n, d)
+    retired = []
+    t.on_unpathed.append(retired.append)
+    volume, room = t._volume(), t.policy.capacity
+    got = t.checkpoint()
+    assert got is not None
+    fd, count = got
+    os.close(fd)
+    size = os.path.getsize(os.path.join(t.directory, tables(t)[0]))
+    assert count == 20 and len(tables(t)) == 1
+    assert t._volume() == volume + size and t.policy.capacity <= room - size  # in the budget
+    n = t.table_find(path="/f3")
+    assert n is not None and t.table_find(eid=eid(3)) == n
+    r = t.table_row(n)
+    assert r is not None and r.path == "/f3" and r.attr.size == 3003 and r.synced_ns > 0
+    assert t.table_eid_size(n) == (eid(3), 3003)
+    m = table.Mapped(os.open(os.path.join(t.directory, tables(t)[0]), os.O_RDONLY))
+    assert m.record(n) is not None
+    m.close()
+    assert t.checkpoint() is None                                      # one a mount
+    assert t.put((eid(99), 0), b"n" * 4000, EntryInfo("/f3", ATTR._replace(size=4000, mtime_ns=5), BS))
+    assert retired == [n]                                              # not the path's newest any more
+    check(t)
+    kill(t)                                                            # a crash: the index names no table
+    t2 = disk()
+    assert tables(t2) == [] and t2.get((eid(5), 0)) == data[5]         # the checkpoint is removed
+    got = t2.checkpoint()
+    assert got is not None
+    os.close(got[0])
+    t2.close()
+    assert len(tables(t2)) == 1 and t2._table_id and tables(t2) == [index.table_name(t2._table_id)]
+    t3 = disk()
+    assert t3.checkpoint() is None and t3.get((eid(4), 0)) == data[4]  # a start from a table has one
+    t3.close()
+
+
+def test_a_checkpoint_without_room_in_the_budget_is_not_written(disk):
+    t = disk(capacity=1 << 20)
+    n = 0
+    while put(t, n, b"x" * 3000, evict=False):
+        n += 1
+    assert t.checkpoint() is None and tables(t) == []
+    check(t)

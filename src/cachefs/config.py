@@ -71,6 +71,11 @@ def default_serve_processes() -> int:
 # files of a tree; a node beyond it has its opens answered by the main process.
 NODE_TABLE_CAPACITY = 1 << 24
 
+# Seconds between two looks, in a mount that started without an entry table, at whether the
+# NVMe tier has passed --backing-files and stopped growing: then its entries are written as
+# a table whose records the serving processes answer (a checkpoint, see tablenodes.py).
+CHECKPOINT_EVERY = 5.0
+
 # Names published ahead (cachefs/published.py, _publish_dir): the cached files of a
 # directory the daemon looks a file up in are published to the serving processes before
 # their first lookup, up to the names' limit less AHEAD_ROOM (left to the

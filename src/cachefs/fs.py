@@ -27,7 +27,6 @@ import queue
 import stat as stat_mod
 import threading
 import time
-from array import array
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -155,15 +154,7 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         self._ahead_queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
         self._ahead_thread: threading.Thread | None = None
         self._ahead_stopped = False
-        # Table nodes (tablenodes.py): whether they are on, directories whose path is
-        # published, and what the serving processes registered
-        self._rows = False
-        self._dirs_published: set[int] = set()
-        self._row_order = array("I")
-        self._row_head = 0
-        self._rows_registered = 0
-        self._rows_cv = threading.Condition()
-        self._rows_closing: set[int] = set()
+        self._init_table_nodes()
         core.hooks.connect(on_source_changed=self._source_changed)
 
     def _out_of_descriptors(self, exc: OSError) -> None:
@@ -214,9 +205,11 @@ class CachefsFS(Published, TableNodeOwner, Operations):
             rows = self._table_nodes()
             try:
                 self._table = self.session.start_servers(self.config.serve_processes or 0, NODE_TABLE_CAPACITY,
-                                                         self._name_limit, rows, SERVE_MAIN)
+                                                         self._name_limit, rows, SERVE_MAIN,
+                                                         self._checkpoint_room(rows), self._ttl)
                 if self._table is not None and rows is not None and self._table.rows:
-                    self._start_rows(rows)
+                    self._start_rows(rows.records)
+                self._start_checkpoints()
             finally:
                 if rows is not None:  # the serving processes have theirs
                     os.close(rows.table_fd)
@@ -267,6 +260,7 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         self._ahead_queue.put(None)  # before what they use goes
         if self._ahead_thread is not None:
             self._ahead_thread.join(10)
+        self._stop_checkpoints()
         self._unpublished.put(("stop",))
         if self._reaper is not None:
             self._reaper.join(10)

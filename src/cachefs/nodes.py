@@ -414,6 +414,12 @@ class Nodes:
     def id_of(self, path: str) -> int | None:
         return self._ids.get(path)
 
+    def unversioned(self) -> list[tuple[int, str]]:
+        """(node id, path) of each node that stands for no file version: directories (and
+        links and the like)."""
+        with self._lock:
+            return [(nodeid, path) for nodeid, path in self._paths.items() if nodeid not in self._versions]
+
     def pin_ahead(self, path: str, attr: Attr | None = None) -> int | None:
         """The node of `path`, pinned (see pin), for a name published before the kernel looks
         it up (Published._publish_dir): a file without a node gets one, with no reference

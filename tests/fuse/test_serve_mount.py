@@ -45,6 +45,21 @@ def serving(mp):
     return [c for c in daemon.children() if "cachefs.serving" in " ".join(c.cmdline())]
 
 
+def settled(mp):
+    """Stats once the kernel's forgets have stopped coming (after the page cache is
+    dropped, they come for a while)."""
+    last = None
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        s = stats(mp)
+        now = (s["fuse"].get("forget", 0), s["fuse"].get("batch_forget", 0))
+        if now == last:
+            return s
+        last = now
+        time.sleep(0.3)
+    return s
+
+
 def passthrough_mount(mounts, src, *extra):
     mp = mounts.cachefs(str(src), extra=["--passthrough", "on", *extra])
     if stats(mp)["info"]["opens"] != "passthrough":
@@ -408,3 +423,39 @@ def test_a_file_changed_on_the_source_after_a_remount_is_seen_once_its_table_nod
     data[rel] = b"new version"
     epoch(mp, data, 3)
     assert stats(mp)["fuse"].get("errors", 0) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_processes(tmp_path, mounts):
+    """In a mount that started without an entry table, once the NVMe tier holds more files
+    than --backing-files and stops growing, its entries are written as a table (a
+    checkpoint) whose files the serving processes answer as after a remount: with the page
+    cache dropped, the next epochs' lookups and opens are theirs, registering again the
+    files past the limit, instead of each coming to the daemon. The bytes are the
+    source's."""
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    data = {f"d/f{i:02d}.jpg": os.urandom(20_000 + i) for i in range(60)}
+    for name, blob in data.items():
+        (src / name).write_bytes(blob)
+    limit = 16
+    mp = passthrough_mount(mounts, src, "--ram-size", "0", "--readahead", "off", "--serve-processes", "1",
+                           "--backing-files", str(limit), "--metadata-ttl", "3600")
+    epoch(mp, data, 1)  # into NVMe
+    deadline = time.monotonic() + 30
+    while stats(mp)["serve"].get("checkpoints", 0) < 1:
+        assert time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.2)
+    for seed in (2, 3):
+        with open("/proc/sys/vm/drop_caches", "w") as f:  # every file looked up and opened again
+            f.write("3\n")
+        before = settled(mp)  # (the kernel's forgets of the daemon's nodes are forwarded to it)
+        epoch(mp, data, seed)
+        after = stats(mp)
+        stats_queries = after["fuse"]["getxattr"] - before["fuse"]["getxattr"]  # (stats() is read from an xattr)
+        forwarded = after["serve"]["forwarded"] - before["serve"]["forwarded"] - stats_queries
+        assert forwarded <= 5, (seed, forwarded)  # the directory's lookup (without: each file's, and most opens)
+        assert after["serve"]["table_registrations"] > before["serve"].get("table_registrations", 0)
+        assert after["disk"]["hits"] - before["disk"]["hits"] == len(data)
+        assert after["fuse"].get("errors", 0) == 0
+    assert after["serve"]["table_registrations"] >= len(data) - limit

@@ -114,8 +114,10 @@ class Server:
     kernel and, when full, the forward socket)."""
 
     def __init__(self, index: int, fuse_fd: int, table: ServeTable, forward: socket.socket, bufsize: int,
-                 rows: TableRows | None = None, ttl: float = 0.0):
+                 rows: TableRows | None = None, ttl: float = 0.0,
+                 rows_from: Callable[[int, int], TableRows] | None = None):
         self.index, self.fd, self.table, self.forward = index, fuse_fd, table, forward
+        self.rows_from = rows_from  # reads a checkpoint's table (rows_published)
         # Table nodes: the NVMe tier's entry table, and how long a record's attributes are
         # good for after they were stored (--metadata-ttl)
         self.rows, self.ttl = rows if table.rows else None, ttl
@@ -182,6 +184,8 @@ class Server:
             now = monotonic()
             if now - checked > MAIN_CHECK:  # a request waits: is the main process there to answer?
                 checked, stopped = now, self.main_stopped()
+                if table.room and not table.rows and self.rows_published():  # a checkpoint's table nodes
+                    row_base = table.row_base
             if stopped or busy[forwarded] - busy[answered] >= MAX_FORWARDED:
                 ready = False
                 time.sleep(0.02 if stopped else 0.002)  # the request stays with the kernel, killable
@@ -334,6 +338,26 @@ class Server:
         finally:
             table.row_lock(n, False)
 
+    def rows_published(self) -> bool:
+        """Whether the main process published table nodes since (a checkpoint: its entry
+        table of a mount that started without one), now mapped here from its descriptors
+        (through /proc: the same user's process)."""
+        found = self.table.rows_published()
+        if found is None or self.rows_from is None or self.main_pid is None:
+            return False
+        fds = []
+        try:
+            fds.append(os.open(f"/proc/{self.main_pid}/fd/{found[0]}", os.O_RDONLY | os.O_CLOEXEC))
+            fds.append(os.open(f"/proc/{self.main_pid}/fd/{found[1]}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+            self.rows = self.rows_from(fds[0], fds[1])
+        except (OSError, ValueError) as exc:  # the main process answers those lookups
+            for fd in fds:
+                os.close(fd)
+            self.table.rows = 0
+            print(f"cachefs serving process {self.index}: the checkpoint's entry table: {exc}", file=sys.stderr)
+            return False
+        return True
+
     def row_theirs(self, nodeid: int) -> bool:
         """Whether `nodeid` is a table node the serving processes answer (FREE, or CLOSING):
         a release of its own handle is answered here even when its slot is empty, as while
@@ -430,7 +454,7 @@ def run(args: argparse.Namespace, rows_from: Callable[[int, int], TableRows] | N
             rows = rows_from(args.rows_fd, args.data_fd)
         except (OSError, ValueError) as exc:  # the main process answers those lookups
             print(f"cachefs serving process {args.index}: the entry table: {exc}", file=sys.stderr)
-    server = Server(args.index, args.fuse_fd, table, forward, args.bufsize, rows, args.ttl)
+    server = Server(args.index, args.fuse_fd, table, forward, args.bufsize, rows, args.ttl, rows_from)
     server.main_pid = os.getppid()
     try:
         return server.run()

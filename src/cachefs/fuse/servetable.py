@@ -21,8 +21,14 @@ from typing import NamedTuple
 
 import xxhash
 
-_MAGIC = b"cfsserv3"
-_HEADER = struct.Struct("<8sQIQQQ")       # magic, capacity, processes, buckets, row base, rows
+_MAGIC = b"cfsserv4"
+# magic, capacity, processes, buckets, row base, room for table nodes, table nodes, their
+# generation (1: the table nodes of a start's table or of a checkpoint; 0: none yet), the
+# table's and the data directory's descriptors in the main process (a checkpoint's: the
+# serving processes open them through /proc)
+_HEADER = struct.Struct("<8sQIQQQQIii")
+_ROWS_AT = 44                              # the header's table nodes field, then the rest
+_ROWS = struct.Struct("<QIii")
 # A node's record: seq (odd while the main process writes it), parent, deadline (monotonic
 # ns), name length (0: not published), entry length; the packed entry_out; the name
 _RECORD_HEAD = struct.Struct("<IIqHH4x")
@@ -69,10 +75,13 @@ class ServeTable:
     name and entry). The file is sparse: pages are touched only for the node ids in use
     (they are given out densely, see Nodes.recycle) and the buckets' pages."""
 
-    def __init__(self, fd: int, capacity: int, processes: int, buckets: int, row_base: int = 0, rows: int = 0):
+    def __init__(self, fd: int, capacity: int, processes: int, buckets: int, row_base: int = 0, rows: int = 0,
+                 room: int = 0):
         self.fd, self.capacity, self.processes, self.buckets = fd, capacity, processes, buckets
-        self.row_base, self.rows = row_base, rows
-        self._map = mmap.mmap(fd, self.size(capacity, processes, buckets, rows))
+        room = max(room, rows)
+        self.row_base, self.rows, self.room = row_base, rows, room  # table nodes, and room for them
+        self.rows_gen = 1 if rows else 0
+        self._map = mmap.mmap(fd, self.size(capacity, processes, buckets, room))
         view = memoryview(self._map)
         base = _LINE * (1 + processes)
         self.busy = view[_LINE:base].cast("Q")  # index k * (_LINE // 8): process k's counter
@@ -88,37 +97,67 @@ class ServeTable:
         base += 16 * buckets
         self.records = view[base:base + RECORD * capacity]
         base += RECORD * capacity
-        self.row_state = view[base:base + rows]  # per table node: ROW_FREE or ROW_TAKEN
+        self.row_state = view[base:base + room]  # per table node: ROW_FREE or ROW_TAKEN
         self._live = 0  # names in the buckets (the main process's count)
         # This process's own open file description of the table: the rows' locks (fcntl
         # OFD locks) are held per description, and an inherited descriptor shares one
-        self._lock_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC) if rows else -1
+        self._lock_fd = os.open(f"/proc/self/fd/{fd}", os.O_RDWR | os.O_CLOEXEC) if room else -1
 
     @staticmethod
-    def size(capacity: int, processes: int, buckets: int, rows: int = 0) -> int:
+    def size(capacity: int, processes: int, buckets: int, room: int = 0) -> int:
         return (_LINE * (1 + processes) + 4 * capacity * (1 + processes) + 8 * capacity * processes
-                + 16 * buckets + RECORD * capacity + rows)
+                + 16 * buckets + RECORD * capacity + room)
 
     @classmethod
-    def create(cls, capacity: int, processes: int, names: int = 0, rows: int = 0) -> ServeTable:
+    def create(cls, capacity: int, processes: int, names: int = 0, rows: int = 0, room: int = 0) -> ServeTable:
         """A new table in a memfd (inherited by the serving processes), with room for
         `names` published names (hash buckets at most half full), and for `rows` table
-        nodes (the records of the NVMe tier's entry table, see Server.row_lookup): node ids
-        `capacity` to `capacity + rows`."""
+        nodes (the records of the NVMe tier's entry table, see Server.row_lookup), or
+        `room` for as many that a checkpoint publishes later (publish_rows): node ids
+        `capacity` to `capacity + max(rows, room)`. (The file is sparse: room costs
+        nothing until it is used.)"""
         buckets = 1 << max(4, (2 * max(names, 1) - 1).bit_length())
         fd = os.memfd_create("cachefs-serve-table", 0)  # not CLOEXEC: passed to the children
-        row_base = capacity if rows else 0
-        capacity += rows
-        os.ftruncate(fd, cls.size(capacity, processes, buckets, rows))
-        os.pwrite(fd, _HEADER.pack(_MAGIC, capacity, processes, buckets, row_base, rows), 0)
-        return cls(fd, capacity, processes, buckets, row_base, rows)
+        room = max(room, rows)
+        row_base = capacity if room else 0
+        capacity += room
+        os.ftruncate(fd, cls.size(capacity, processes, buckets, room))
+        head = _HEADER.pack(_MAGIC, capacity, processes, buckets, row_base, room, rows, int(rows > 0), -1, -1)
+        os.pwrite(fd, head, 0)
+        return cls(fd, capacity, processes, buckets, row_base, rows, room)
 
     @classmethod
     def attach(cls, fd: int) -> ServeTable:
-        magic, capacity, processes, buckets, row_base, rows = _HEADER.unpack(os.pread(fd, _HEADER.size, 0))
+        magic, capacity, processes, buckets, row_base, room, rows, gen, _, _ = _HEADER.unpack(
+            os.pread(fd, _HEADER.size, 0))
         if magic != _MAGIC:
             raise ValueError("not a cachefs serving table")
-        return cls(fd, capacity, processes, buckets, row_base, rows)
+        table = cls(fd, capacity, processes, buckets, row_base, rows, room)
+        table.rows_gen = gen
+        return table
+
+    # -- a checkpoint's table nodes (both sides) --------------------------------------------
+
+    def publish_rows(self, rows: int, table_fd: int, data_fd: int) -> None:
+        """(The main process) the `rows` records of a checkpoint's entry table are table
+        nodes from now on: the serving processes open the table and the data directory
+        through these descriptors of the main process's (rows_published), and answer them.
+        Once a mount: the ids of table nodes stay their records'."""
+        assert not self.rows and 0 < rows <= self.room
+        self.rows, self.rows_gen = rows, self.rows_gen + 1
+        _ROWS.pack_into(self._map, _ROWS_AT, rows, 0, table_fd, data_fd)
+        _SEQ.pack_into(self._map, _ROWS_AT + 8, self.rows_gen)  # the generation last
+
+    def rows_published(self) -> tuple[int, int] | None:
+        """(A serving process) the main process's descriptors of the table and the data
+        directory if it published table nodes since this process last looked (the count is
+        this table's `rows` from now on); else None. One read of shared memory."""
+        gen = _SEQ.unpack_from(self._map, _ROWS_AT + 8)[0]  # the generation first: written last
+        if gen == self.rows_gen or not gen:
+            return None
+        rows, _, table_fd, data_fd = _ROWS.unpack_from(self._map, _ROWS_AT)
+        self.rows, self.rows_gen = min(rows, self.room), gen
+        return table_fd, data_fd
 
     # -- table nodes (both sides) ---------------------------------------------------------
 

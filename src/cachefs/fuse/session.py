@@ -233,14 +233,16 @@ class Session(Handlers):
         return fd
 
     def start_servers(self, count: int, capacity: int, names: int = 0, rows: TableNodes | None = None,
-                      main: str = SERVE_MAIN) -> ServeTable | None:
+                      main: str = SERVE_MAIN, room: int = 0, ttl: float = 0.0) -> ServeTable | None:
         """Start `count` serving processes (cachefs/fuse/serve.py) before start(): each reads
         a cloned descriptor of this connection and answers the lookups, opens and releases
         of the names and nodes published in the returned table (room for `names` names),
         and with `rows`, of the files of the NVMe tier's entry table (table nodes); this
         process's threads then answer what they forward instead of reading /dev/fuse.
         `main`: the code each runs (python -c; with `rows`, one that reads the table).
-        None (and nothing started) where the descriptor cannot be cloned."""
+        Without `rows`, `room` for the table nodes of a checkpoint published later
+        (ServeTable.publish_rows; `ttl`: --metadata-ttl, as TableNodes.ttl). None (and
+        nothing started) where the descriptor cannot be cloned."""
         if count <= 0 or not self._clone:
             return None
         fds: list[int] = []
@@ -254,12 +256,12 @@ class Session(Handlers):
         self._rx, self._tx = socket.socketpair(socket.AF_UNIX, socket.SOCK_DGRAM)
         for sock, opt in ((self._rx, socket.SO_RCVBUF), (self._tx, socket.SO_SNDBUF)):
             sock.setsockopt(socket.SOL_SOCKET, opt, SEND_BUFFER)
-        table = ServeTable.create(capacity, count, names, rows.records if rows is not None else 0)
+        table = ServeTable.create(capacity, count, names, rows.records if rows is not None else 0, room)
         env = child_env()
-        extra: list[str] = []
+        extra = ["--ttl", repr(rows.ttl if rows is not None else ttl)]
         shared = [table.fd, self._tx.fileno()]
         if rows is not None:
-            extra = ["--rows-fd", str(rows.table_fd), "--data-fd", str(rows.data_fd), "--ttl", repr(rows.ttl)]
+            extra += ["--rows-fd", str(rows.table_fd), "--data-fd", str(rows.data_fd)]
             shared += [rows.table_fd, rows.data_fd]
         for index, fd in enumerate(fds):
             # (not `-m cachefs.fuse.serve`: this package imports that module first, and runpy

@@ -56,6 +56,7 @@ from cachefs.tiers.entry import Entry, allocated
 from cachefs.tiers.layout import replace_durably
 from cachefs.tiers.restored import FromTable, Restored
 from cachefs.tiers.store import FileStore
+from cachefs.tiers.table import Table
 
 log = logging.getLogger(__name__)
 
@@ -109,12 +110,14 @@ class DiskTier(FromTable, Checks, FileStore):
         self._confirmed = False  # confirm() changed an entry's time since the start (see _write_table)
         self._table_id = 0           # the entry table the index names (0: none)
         self._table_bytes = 0
+        self._checkpoint: Table | None = None  # this mount's entry table, for table nodes (checkpoint)
+        self._checkpoint_bytes = 0
         s = self._stats
         s.gauge("disk.suspended", lambda: int(self.suspended))
         s.gauge("disk.used_bytes", self._volume)
         s.gauge("disk.capacity_bytes", lambda: self._capacity)
         s.gauge("disk.entries", lambda: len(self.policy))
-        s.gauge("disk.files", self._files_held)
+        s.gauge("disk.files", self.files_held)
         self.policy.capacity = 1 << 62  # restored as found; _refresh_limits trims
         self._load()
         self._refresh_limits(force=True)
@@ -130,15 +133,15 @@ class DiskTier(FromTable, Checks, FileStore):
     def _volume(self) -> int:
         """Everything the tier occupies: block files in 4 KiB blocks (as the policy counts
         them), the directories, the index and the entry table."""
-        return self.policy.used + self._dir_bytes() + self._log_bytes + self._table_bytes
+        return self.policy.used + self._dir_bytes() + self._log_bytes + self._table_bytes + self._checkpoint_bytes
 
-    def _files_held(self) -> int:
+    def files_held(self) -> int:
         return len(self._entries) + (self._restored.files if self._restored is not None else 0)
 
     def _dir_bytes(self) -> int:
         """The tier's directories (data/ and the subdirectories made so far), which never
         shrink: counted at their high-water mark."""
-        self._entries_high = max(self._entries_high, self._files_held())
+        self._entries_high = max(self._entries_high, self.files_held())
         return DIR_BYTES * (2 + len(self._made_dirs)) + DIR_ENTRY_BYTES * self._entries_high
 
     def _index_reserve(self) -> int:
@@ -165,7 +168,8 @@ class DiskTier(FromTable, Checks, FileStore):
                 return
             self._since_exact = 0
             self._measured_at = time.monotonic()
-            limit = self._capacity - self._dir_bytes() - DIR_ENTRY_BYTES - self._index_reserve()
+            limit = (self._capacity - self._dir_bytes() - DIR_ENTRY_BYTES - self._index_reserve()
+                     - self._checkpoint_bytes)
             if self._min_free:
                 try:
                     free = self._disk_free()
@@ -285,15 +289,8 @@ class DiskTier(FromTable, Checks, FileStore):
         line = index.block_line(e.name, index_, h)
         if new:
             line = index.entry_line(e.name, e.block_size, e.stored_at, e.attr, e.path) + line
-            eid = e.eid
-            self._paths[e.path] = eid
-            r = self._restored
-            if r is not None and r.files:
-                n = r.table.find_path(e.path)
-                if n is not None and r.table.eid_of(n) != eid:
-                    r.unpathed.add(n)  # a newer version of the path: the table's is not its newest
-                    for listener in self.on_unpathed:
-                        listener(n)
+            self._paths[e.path] = e.eid
+            self._unpath(e.path, e.eid)  # a newer version of the path: a table's is not its newest
         self._append(line)
 
     def _dropping(self, e: Entry, index_: int) -> None:
@@ -549,6 +546,9 @@ class DiskTier(FromTable, Checks, FileStore):
             if self._log_fd >= 0:
                 os.close(self._log_fd)
                 self._log_fd = -1
+        checkpoint, self._checkpoint = self._checkpoint, None
+        if checkpoint is not None:
+            checkpoint.close()
         super().close()
 
 

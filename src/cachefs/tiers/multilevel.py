@@ -442,6 +442,25 @@ class MultiLevelCache:
         after a clean stop; None if it did not (see DiskTier.entry_table)."""
         return self.disk.entry_table() if self.disk is not None else None
 
+    def checkpoint(self) -> tuple[int, int] | None:
+        """The NVMe tier's entries as an entry table of this mount's, for table nodes: (a
+        new descriptor of it, records), or None (see DiskTier.checkpoint)."""
+        return self.disk.checkpoint() if self.disk is not None else None
+
+    @property
+    def disk_files(self) -> int:
+        """Files the NVMe tier holds."""
+        return self.disk.files_held() if self.disk is not None else 0
+
+    def ram_entry_ids(self) -> list[bytes]:
+        """The ids of the files RAM holds."""
+        return self.ram.entry_ids()
+
+    @property
+    def disk_capacity(self) -> int:
+        """The NVMe tier's budget in bytes (0: no NVMe tier)."""
+        return self.disk.capacity if self.disk is not None else 0
+
     def on_unpathed(self, listener: Callable[[int], None]) -> None:
         """Tell `listener` of each record of that table a newer version of its path replaces."""
         if self.disk is not None:

@@ -10,6 +10,7 @@ What is kept per record is one byte of state, so that 1.28 million restored file
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -149,6 +150,9 @@ class FromTable:
         _restored_at: float
         _table_id: int
         _table_bytes: int
+        _checkpoint: Table | None
+        _checkpoint_bytes: int
+        on_unpathed: list[Callable[[int], None]]
         _unwritten: bytearray
         _log_bytes: int
         _live_bytes: int
@@ -169,6 +173,11 @@ class FromTable:
         def _row_unchanged(self, row: Row) -> bool: ...
 
         def _files(self) -> dict[str, str]: ...
+
+        def _refresh_limits(self, incoming: int = 0, force: bool = False) -> None: ...
+
+        @property
+        def suspended(self) -> bool: ...
 
     def _table_path(self, table_id: int) -> str:
         return os.path.join(self._dir, index.table_name(table_id))
@@ -287,31 +296,100 @@ class FromTable:
                  "file's is checked at a stat before it is served", found.count, found.blocks,
                  format_size(found.used))
 
-    def table_row(self, n: int) -> Row | None:
-        """Record n of the entry table this start came from, if it passes its CRC (None
-        after any other start)."""
+    def _nodes_table(self) -> Table | None:
+        """The entry table the serving processes' table nodes stand for: the one this start
+        came from (a clean stop's), or this mount's checkpoint (see checkpoint)."""
         r = self._restored
-        return None if r is None or not 0 <= n < r.table.count else r.table.row(n)
+        return r.table if r is not None else self._checkpoint
+
+    def table_row(self, n: int) -> Row | None:
+        """Record n of that table, if it passes its CRC (None without one)."""
+        t = self._nodes_table()
+        return None if t is None or not 0 <= n < t.count else t.row(n)
 
     def table_eid_size(self, n: int) -> tuple[bytes, int] | None:
         """Record n's entry id and file size (Table.eid_size)."""
-        r = self._restored
-        return None if r is None or not 0 <= n < r.table.count else r.table.eid_size(n)
+        t = self._nodes_table()
+        return None if t is None or not 0 <= n < t.count else t.eid_size(n)
 
     def table_find(self, path: str | None = None, eid: bytes | None = None) -> int | None:
         """The record of that table holding `path`'s newest version, or entry `eid`."""
-        r = self._restored
-        if r is None:
+        t = self._nodes_table()
+        if t is None:
             return None
-        return r.table.find_path(path) if path is not None else r.table.find(eid) if eid is not None else None
+        return t.find_path(path) if path is not None else t.find(eid) if eid is not None else None
 
     def entry_table(self) -> tuple[int, int] | None:
-        """(a new descriptor of, records in) the entry table this start came from (a clean
-        stop's), for the serving processes' table nodes; None after any other start."""
+        """(a new descriptor of, records in) that table, for the serving processes' table
+        nodes; None without one."""
+        t = self._nodes_table()
+        return None if t is None else (os.dup(t.fileno()), t.count)
+
+    def _unpath(self, path: str, eid: bytes) -> None:
+        """Entry `eid` is the newest of `path` now: a record of that table holding another
+        version of it is not the path's newest any more (its table node is retired)."""
         r = self._restored
-        if r is None:
+        t = r.table if r is not None and r.files else self._checkpoint
+        if t is None:
+            return
+        n = t.find_path(path)
+        if n is not None and t.eid_of(n) != eid:
+            if r is not None:
+                r.unpathed.add(n)
+            for listener in self.on_unpathed:
+                listener(n)
+
+    # -- a checkpoint: the table of a mount that started without one ----------------------------
+
+    def checkpoint(self) -> tuple[int, int] | None:
+        """Write the entries held now as an entry table of their own, for the serving
+        processes' table nodes in a mount that started without a table (a first mount, or
+        one after a crash): (a new descriptor of it, records), or None if this start came
+        from a table, a checkpoint exists already, the tier lacks the room for it, or it
+        cannot be written. The index does not name it (the index's lines stay the record
+        of the tier; a clean stop writes its own table and removes this one, a start
+        removes it as any table the index does not name). Each entry written or checked
+        in this mount is vouched for by this checkpoint (`synced`: its file is checked at
+        its first open if it changed since, as after a clean stop). Its size counts in the
+        tier's budget. The entries are copied under the tier's lock and written outside
+        it: one dropped meanwhile is in the table, and its node's first open finds no file
+        and goes to the daemon."""
+        if self._restored is not None or self._checkpoint is not None or self.suspended:
             return None
-        return os.dup(r.table.fileno()), r.table.count
+        with self._lock:
+            held = list(self._entries.values())
+        now = time.time_ns()
+        rows = []
+        for e in held:
+            u = e.unverified
+            synced = u.at_ns if type(u) is Synced else 0 if u else now
+            rows.append(Row(e.eid, e.path, e.attr, e.block_size, e.stored_at, synced, list(e.hashes)))
+        if not rows:
+            return None
+        rows.sort(key=lambda row: row.stored_at)
+        estimate = table.size_of(rows)
+        if self.policy.used + estimate > self.policy.capacity:  # (taken from the blocks' free room)
+            log.info("NVMe tier: no room for a checkpoint of its %d files (%s)", len(rows), format_size(estimate))
+            return None
+        table_id = random.getrandbits(63) + 1
+        path = self._table_path(table_id)
+        try:
+            size = table.write(path, rows, now, table_id)
+            found = Table(path, table_id)
+        except (OSError, ValueError) as exc:
+            log.warning("NVMe tier: the checkpoint could not be written (%s); the daemon answers the files "
+                        "it holds", exc)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
+        self._checkpoint, self._checkpoint_bytes = found, size
+        self._refresh_limits(force=True)
+        with self._lock:  # the newest of a path stored while it was written: not the table's
+            newer = [(e.path, eid) for eid, e in self._entries.items() if e.stored_at * 1e9 >= now]
+        for p, eid in newer:
+            self._unpath(p, eid)
+        log.info("NVMe tier: checkpoint of %d files written (%s)", found.count, format_size(size))
+        return os.dup(found.fileno()), found.count
 
     def _restored_row(self, path: str) -> tuple[int, Row] | None:
         """(record number, row) of the newest version of `path` if it is restored and cold."""

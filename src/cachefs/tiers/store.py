@@ -119,6 +119,11 @@ class FileStore:
     def __len__(self) -> int:
         return len(self.policy)
 
+    def entry_ids(self) -> list[bytes]:
+        """The ids of the entries held in memory now."""
+        with self._lock:
+            return list(self._entries)
+
     def entry(self, eid: bytes) -> Entry | None:
         return self._entry(eid)
 

@@ -93,6 +93,12 @@ def _put(table: list[int], key: int, value: int) -> None:
     table[i] = value
 
 
+def size_of(rows: list[Row]) -> int:
+    """About the bytes write() makes of `rows` (a budget's check before writing them)."""
+    heap = sum(len(row.path) + (9 * len(row.hashes) if len(row.hashes) > 1 else 0) for row in rows)
+    return HEADER.size + len(rows) * RECORD.size + 8 * _buckets(len(rows)) + heap
+
+
 def write(path: str, rows: Iterable[Row], stop_ns: int, table_id: int) -> int:
     """Write the table of `rows` (already in restore order) to `path`: a temporary file,
     fsync'd, renamed over. Returns its size."""
