@@ -427,13 +427,12 @@ class Published:
         """A serving process's report: its requests counted, and the files it opened counted
         as the tiers' hits (as an open this process answers counts them)."""
         counts, opened = decode_report(report)
-        add = {"opens.passthrough": len(opened), "serve.forwarded": counts.pop("forwarded")[0]}
+        add = {"serve.forwarded": counts.pop("forwarded")[0]}
         for kind, (n, micros) in counts.items():
             add[f"fuse.{kind}"] = n
             add[f"fuse.{kind}_us"] = micros
         add["serve.answered"] = sum(n for n, _ in counts.values())
         add["metadata.hits"] = counts["lookup"][0] + counts["getattr"][0]
-        self.core.stats.add_many(add)
         states: list[NodeOpen | None] = []
         fids: list[FileId] = []
         eids: list[bytes | None] = []
@@ -467,6 +466,8 @@ class Published:
                     fids.append(FileId("", found[1], 0))
                     eids.append(found[0])
                     rows.append(nodeid - row_base)
+        add["opens.passthrough"] = len(opened) - len(registered)  # (a registration is reported beside its open)
+        self.core.stats.add_many(add)
         if registered:
             self._rows_counted(registered)
         try:

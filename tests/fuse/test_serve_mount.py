@@ -457,5 +457,6 @@ def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_p
         assert forwarded <= 5, (seed, forwarded)  # the directory's lookup (without: each file's, and most opens)
         assert after["serve"]["table_registrations"] > before["serve"].get("table_registrations", 0)
         assert after["disk"]["hits"] - before["disk"]["hits"] == len(data)
+        assert after["opens"]["passthrough"] - before["opens"]["passthrough"] == len(data)  # once each
         assert after["fuse"].get("errors", 0) == 0
     assert after["serve"]["table_registrations"] >= len(data) - limit
