@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from array import array
+from collections.abc import Sequence
 
 import xxhash
 
@@ -49,13 +51,18 @@ def write_all(fd: int, data: bytes | memoryview, offset: int = 0) -> None:
         view, offset = view[n:], offset + n
 
 
-def replace_durably(path: str, data: bytes) -> None:
-    """Put `data` at `path` whole or not at all: a temporary file beside it, fsync'd, then
-    renamed over (a file renamed without fsync can come back empty after a crash)."""
+def replace_durably(path: str, data: bytes | Sequence[bytes | bytearray | memoryview | array[int]]) -> None:
+    """Put `data` (bytes, or buffers one after another) at `path` whole or not at all: a
+    temporary file beside it, fsync'd, then renamed over (a file renamed without fsync can
+    come back empty after a crash)."""
     tmp = path + ".new"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
     try:
-        write_all(fd, data)
+        offset = 0
+        for part in [data] if isinstance(data, bytes) else data:
+            view = memoryview(part).cast("B")
+            write_all(fd, view, offset)
+            offset += view.nbytes
         os.fsync(fd)
     finally:
         os.close(fd)

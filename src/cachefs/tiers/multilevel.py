@@ -443,18 +443,15 @@ class MultiLevelCache:
         return self.disk.entry_table() if self.disk is not None else None
 
     def checkpoint(self) -> tuple[int, int] | None:
-        """The NVMe tier's entries as an entry table of this mount's, for table nodes: (a
-        new descriptor of it, records), or None (see DiskTier.checkpoint)."""
-        return self.disk.checkpoint() if self.disk is not None else None
+        """The NVMe tier's entries but those RAM holds too, as an entry table of this
+        mount's, for table nodes: (a new descriptor of it, records), or None (see
+        DiskTier.checkpoint)."""
+        return self.disk.checkpoint(skip=set(self.ram.entry_ids())) if self.disk is not None else None
 
     @property
     def disk_files(self) -> int:
         """Files the NVMe tier holds."""
         return self.disk.files_held() if self.disk is not None else 0
-
-    def ram_entry_ids(self) -> list[bytes]:
-        """The ids of the files RAM holds."""
-        return self.ram.entry_ids()
 
     @property
     def disk_capacity(self) -> int:

@@ -16,7 +16,7 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterator
 from typing import TYPE_CHECKING, cast
 
 from cachefs.config import format_size
@@ -341,7 +341,7 @@ class FromTable:
 
     # -- a checkpoint: the table of a mount that started without one ----------------------------
 
-    def checkpoint(self) -> tuple[int, int] | None:
+    def checkpoint(self, skip: Container[bytes] = ()) -> tuple[int, int] | None:
         """Write the entries held now as an entry table of their own, for the serving
         processes' table nodes in a mount that started without a table (a first mount, or
         one after a crash): (a new descriptor of it, records), or None if this start came
@@ -351,16 +351,18 @@ class FromTable:
         removes it as any table the index does not name). Each entry written or checked
         in this mount is vouched for by this checkpoint (`synced`: its file is checked at
         its first open if it changed since, as after a clean stop). Its size counts in the
-        tier's budget. The entries are copied under the tier's lock and written outside
-        it: one dropped meanwhile is in the table, and its node's first open finds no file
-        and goes to the daemon."""
+        tier's budget. Entries in `skip` are left out. The entries are copied under the
+        tier's lock and written outside it: one dropped meanwhile is in the table, and its
+        node's first open finds no file and goes to the daemon."""
         if self._restored is not None or self._checkpoint is not None or self.suspended:
             return None
+        now = time.time_ns()  # (before the copy: an entry stored after it is looked at below)
         with self._lock:
             held = list(self._entries.values())
-        now = time.time_ns()
         rows = []
         for e in held:
+            if e.eid in skip:
+                continue
             u = e.unverified
             synced = u.at_ns if type(u) is Synced else 0 if u else now
             rows.append(Row(e.eid, e.path, e.attr, e.block_size, e.stored_at, synced, list(e.hashes)))

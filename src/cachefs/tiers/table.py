@@ -31,7 +31,9 @@ from __future__ import annotations
 import mmap
 import os
 import struct
+import sys
 import zlib
+from array import array
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
@@ -85,7 +87,7 @@ def _buckets(count: int) -> int:
     return n
 
 
-def _put(table: list[int], key: int, value: int) -> None:
+def _put(table: array[int], key: int, value: int) -> None:
     mask = len(table) - 1
     i = key & mask
     while table[i]:
@@ -108,8 +110,8 @@ def write(path: str, rows: Iterable[Row], stop_ns: int, table_id: int) -> int:
     for n, row in enumerate(rows):
         newest[row.path.encode(FS_ENCODING, FS_ERRORS)] = n
     buckets = _buckets(count)
-    by_id = [0] * buckets
-    by_path = [0] * buckets
+    by_id = array("I", bytes(4 * buckets))  # (flat: a list of ints took ~36 bytes a bucket)
+    by_path = array("I", bytes(4 * buckets))
     heap_at = HEADER.size + count * RECORD.size + 8 * buckets
     heap = bytearray()
     records = bytearray(count * RECORD.size)
@@ -147,10 +149,12 @@ def write(path: str, rows: Iterable[Row], stop_ns: int, table_id: int) -> int:
         _put(by_path, xxhash.xxh3_64_intdigest(pb), n + 1)
     head = HEADER.pack(MAGIC, count, buckets, stop_ns, used, blocks, table_id, 0)
     head = head[:-8] + _U32.pack(zlib.crc32(head[:-8])) + bytes(4)
-    body = b"".join((head, records, struct.pack(f"<{buckets}I", *by_id),
-                     struct.pack(f"<{buckets}I", *by_path), heap))
-    replace_durably(path, body)
-    return len(body)
+    if sys.byteorder != "little":
+        by_id.byteswap()
+        by_path.byteswap()
+    parts = (head, records, by_id, by_path, heap)  # written in turn, not joined: no second copy
+    replace_durably(path, parts)
+    return sum(memoryview(part).nbytes for part in parts)
 
 
 class Table:
