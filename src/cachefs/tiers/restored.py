@@ -133,6 +133,16 @@ class Restored:
                     yield n, row, self.state[n] == TRUSTED
 
 
+def _row_of(e: Entry, now_ns: int) -> Row:
+    """An entry in memory as a table records it at `now_ns` (a clean stop's or a
+    checkpoint's time): vouched for by an earlier stop's time while that stop still
+    vouches for it, by `now_ns` if every block was written or checked since the start,
+    else by nothing (0: its blocks are read before they are served)."""
+    u = e.unverified
+    synced = u.at_ns if type(u) is Synced else 0 if u else now_ns
+    return Row(e.eid, e.path, e.attr, e.block_size, e.stored_at, synced, list(e.hashes))
+
+
 class FromTable:
     """DiskTier's side of the table: writing it at a clean stop, a start from it, and
     bringing its entries into memory as they are touched."""
@@ -213,11 +223,7 @@ class FromTable:
                 self._close_log()
                 return
             stop_ns = time.time_ns()
-            rows = []
-            for eid, e in self._entries.items():
-                u = e.unverified
-                synced = u.at_ns if type(u) is Synced else 0 if u else stop_ns
-                rows.append(Row(eid, e.path, e.attr, e.block_size, e.stored_at, synced, list(e.hashes)))
+            rows = [_row_of(e, stop_ns) for e in self._entries.values()]
             r = self._restored
             for _, row, trusted in r.rows() if r is not None else ():
                 rows.append(row._replace(synced_ns=stop_ns) if trusted else row)
@@ -359,13 +365,7 @@ class FromTable:
         now = time.time_ns()  # (before the copy: an entry stored after it is looked at below)
         with self._lock:
             held = list(self._entries.values())
-        rows = []
-        for e in held:
-            if e.eid in skip:
-                continue
-            u = e.unverified
-            synced = u.at_ns if type(u) is Synced else 0 if u else now
-            rows.append(Row(e.eid, e.path, e.attr, e.block_size, e.stored_at, synced, list(e.hashes)))
+        rows = [_row_of(e, now) for e in held if e.eid not in skip]
         if not rows:
             return None
         rows.sort(key=lambda row: row.stored_at)
