@@ -352,6 +352,34 @@ def test_a_checkpoint_is_a_table_of_what_a_mount_without_one_holds(disk):
     t3.close()
 
 
+def test_a_path_stored_while_a_checkpoint_is_written_retires_its_record(disk, monkeypatch):
+    """The entries are copied under the tier's lock and written outside it: a newer version
+    of a path stored meanwhile is the path's newest, not the table's record of it."""
+    t = disk()
+    for n in range(5):
+        put(t, n, b"o" * 3000)
+    retired = []
+    t.on_unpathed.append(retired.append)
+    write = table.write
+
+    def write_then_store(*args, **kwargs):
+        size = write(*args, **kwargs)
+        assert t.put((eid(99), 0), b"n" * 4000, EntryInfo("/f2", ATTR._replace(size=4000, mtime_ns=5), BS))
+        return size
+
+    monkeypatch.setattr(table, "write", write_then_store)
+    got = t.checkpoint()
+    assert got is not None and got[1] == 5
+    os.close(got[0])
+    n = t.table_find(path="/f2")
+    assert n is not None and t.table_eid_size(n) == (eid(2), 3000)
+    assert retired == [n] and t._stored_since_copy is None
+    assert t.put((eid(98), 0), b"m" * 4000, EntryInfo("/f4", ATTR._replace(size=4000, mtime_ns=6), BS))
+    assert retired == [n, t.table_find(path="/f4")]                   # (after it, as before)
+    check(t)
+    t.close()
+
+
 def test_a_checkpoint_without_room_in_the_budget_is_not_written(disk):
     t = disk(capacity=1 << 20)
     n = 0

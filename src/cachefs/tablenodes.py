@@ -130,10 +130,10 @@ class TableNodeOwner:
         """Once the NVMe tier holds more files than --backing-files keeps registered, and has
         stopped growing (by less than 1/CHECKPOINT_QUIET of its files in CHECKPOINT_EVERY:
         the cold epoch is over), its entries become table nodes (_checkpoint). Until then
-        a file whose registration was
-        closed past the limit was the daemon's to look up and register again at each open,
-        forwarded: at 1.28 million files, 0.557 ms of CPU per file in the first mount
-        against 0.132 after a remount, where table nodes are the serving processes'."""
+        a file whose registration was closed past the limit was the daemon's to look up and
+        register again at each open, forwarded: at 1.28 million files, 0.557 ms of CPU per
+        file in the first mount against 0.132 after a remount, where table nodes are the
+        serving processes'."""
         last = -1
         while not self._checkpoint_stop.wait(CHECKPOINT_EVERY):
             held = self.core.cache.disk_files

@@ -112,6 +112,7 @@ class DiskTier(FromTable, Checks, FileStore):
         self._table_bytes = 0
         self._checkpoint: Table | None = None  # this mount's entry table, for table nodes (checkpoint)
         self._checkpoint_bytes = 0
+        self._stored_since_copy: list[tuple[str, bytes]] | None = None  # (during a checkpoint's write)
         s = self._stats
         s.gauge("disk.suspended", lambda: int(self.suspended))
         s.gauge("disk.used_bytes", self._volume)
@@ -291,6 +292,8 @@ class DiskTier(FromTable, Checks, FileStore):
             line = index.entry_line(e.name, e.block_size, e.stored_at, e.attr, e.path) + line
             self._paths[e.path] = e.eid
             self._unpath(e.path, e.eid)  # a newer version of the path: a table's is not its newest
+            if self._stored_since_copy is not None:
+                self._stored_since_copy.append((e.path, e.eid))
         self._append(line)
 
     def _dropping(self, e: Entry, index_: int) -> None:

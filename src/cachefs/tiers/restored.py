@@ -162,6 +162,7 @@ class FromTable:
         _table_bytes: int
         _checkpoint: Table | None
         _checkpoint_bytes: int
+        _stored_since_copy: list[tuple[str, bytes]] | None
         on_unpathed: list[Callable[[int], None]]
         _unwritten: bytearray
         _log_bytes: int
@@ -362,10 +363,28 @@ class FromTable:
         node's first open finds no file and goes to the daemon."""
         if self._restored is not None or self._checkpoint is not None or self.suspended:
             return None
-        now = time.time_ns()  # (before the copy: an entry stored after it is looked at below)
+        now = time.time_ns()
         with self._lock:
             held = list(self._entries.values())
-        rows = [_row_of(e, now) for e in held if e.eid not in skip]
+            self._stored_since_copy = []  # (the paths stored while it is written: see below)
+        found = None
+        try:
+            found = self._write_checkpoint([_row_of(e, now) for e in held if e.eid not in skip], now)
+        finally:
+            with self._lock:  # the newest of a path stored while it was written is not the table's
+                if found is not None:
+                    self._checkpoint = found
+                newer, self._stored_since_copy = self._stored_since_copy, None
+        if found is None:
+            return None
+        for p, eid in newer or ():
+            self._unpath(p, eid)
+        self._refresh_limits(force=True)
+        log.info("NVMe tier: checkpoint of %d files written (%s)", found.count, format_size(self._checkpoint_bytes))
+        return os.dup(found.fileno()), found.count
+
+    def _write_checkpoint(self, rows: list[Row], now: int) -> Table | None:
+        """checkpoint's table of `rows` (None if empty, without room or not written)."""
         if not rows:
             return None
         rows.sort(key=lambda row: row.stored_at)
@@ -384,14 +403,8 @@ class FromTable:
             with contextlib.suppress(OSError):
                 os.unlink(path)
             return None
-        self._checkpoint, self._checkpoint_bytes = found, size
-        self._refresh_limits(force=True)
-        with self._lock:  # the newest of a path stored while it was written: not the table's
-            newer = [(e.path, eid) for eid, e in self._entries.items() if e.stored_at * 1e9 >= now]
-        for p, eid in newer:
-            self._unpath(p, eid)
-        log.info("NVMe tier: checkpoint of %d files written (%s)", found.count, format_size(size))
-        return os.dup(found.fileno()), found.count
+        self._checkpoint_bytes = size
+        return found
 
     def _restored_row(self, path: str) -> tuple[int, Row] | None:
         """(record number, row) of the newest version of `path` if it is restored and cold."""
