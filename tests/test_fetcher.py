@@ -11,7 +11,7 @@ import time
 import pytest
 
 from cachefs.blocks import FileId, entry_id
-from cachefs.fetcher import Fetchers, FetchUnavailable, Fill
+from cachefs.fetcher import Fetchers, FetchUnavailable, Fill, NoFetchProcess
 from cachefs.source import LocalSource
 from cachefs.stats import Stats
 from cachefs.tiers.disk import DiskTier
@@ -139,6 +139,38 @@ def test_the_core_adopts_what_they_write_and_does_the_work_itself_without_them(t
         if core.fetchers is not None:
             core.fetchers.close()
         core.close()
+
+
+def test_a_request_no_fetch_process_took_is_not_counted_as_one(tmp_path):
+    """With the fetch processes gone, a fill is the daemon's own visit to the source: the
+    source's requests are counted as with them (the request no process took never
+    reached the source), and the bytes are the same."""
+    counted = []
+    for gone in (False, True):
+        src, files = _jpegs(tmp_path / str(gone), 3)
+        disk = DiskTier(str(tmp_path / str(gone) / "cache"), 64 << 20, Stats(), scrub=False)
+        _CountingSource.reads = 0
+        core = make_core(_CountingSource(str(src)), disk=disk, block_size=BS)
+        core.hooks.connect(passthrough=True)
+        core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2))
+        try:
+            fetchers = core.fetchers
+            assert fetchers is not None
+            if gone:
+                fetchers.close()
+                with pytest.raises(NoFetchProcess):
+                    fetchers.fill("/d/0.jpg", BS, None, 5)
+            assert [core.prefetch_small(n)[0] for n in files] == ["fetched"] * 3
+            assert _CountingSource.reads == (3 if gone else 0)
+            counted.append(core.stats.get("source.stat"))
+            for name, data in files.items():
+                backing = core.cache.acquire_backing(core.entry_id(core.file_id(name)))
+                assert backing is not None and open(backing.path, "rb").read() == data
+        finally:
+            core.close()
+            if not gone:
+                fetchers.close()
+    assert counted[1] == counted[0] >= 3
 
 
 class _CountingSource(LocalSource):

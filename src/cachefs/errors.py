@@ -11,6 +11,11 @@ class CachefsError(Exception):
     exit_code = 2
 
 
+class NotSent(Exception):
+    """A request for the source that never left cachefs (no fetch process was there to take
+    it): its caller asks the source another way, and only that counts as a request."""
+
+
 class SourceChanged(OSError):
     """The source file no longer has the identity (size, mtime_ns) the caller expected.
 

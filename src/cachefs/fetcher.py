@@ -52,7 +52,7 @@ from typing import Any, NamedTuple
 
 from cachefs.blocks import entry_id
 from cachefs.config import BATCH_THREADS
-from cachefs.errors import SourceChanged
+from cachefs.errors import NotSent, SourceChanged
 from cachefs.fuse.children import child_env, die_with_parent
 from cachefs.identity import Attr, FileId
 from cachefs.source import open_source
@@ -316,6 +316,11 @@ class FetchUnavailable(Exception):
     does the work itself."""
 
 
+class NoFetchProcess(FetchUnavailable, NotSent):
+    """FetchUnavailable before the request was sent (none left, or the pool is shut): the
+    source was not asked. (One whose process died with the request may have asked it.)"""
+
+
 class Fetchers:
     """A pool of channels to `processes` worker processes. fill() may be called from any
     thread; it holds a channel for one request. Each process has a thread of the daemon's
@@ -446,7 +451,7 @@ class Fetchers:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:  # a free channel; none at all while a process that ended is started again
             if self._closed or not self._all:
-                raise FetchUnavailable
+                raise NoFetchProcess
             wait = 0.5 if deadline is None else min(0.5, deadline - time.monotonic())
             try:
                 if wait <= 0:

@@ -192,7 +192,7 @@ class SmallFills:
                     # counts its visit as a stat, and the read untimed)
                     reply = self._guard.call("read_range", fetchers.fill_for_reader, fid.path, self.block_size,
                                              fid, self._guard.timeout or None, bool(ram_room[0]), bounded=True)
-                except FetchUnavailable:  # the processes died (rare): the guard counted it already
+                except FetchUnavailable:  # the processes died (rare)
                     return None
                 except SourceChanged:
                     self._changed(fid.path)

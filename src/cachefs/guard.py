@@ -20,7 +20,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 from cachefs.config import SOURCE_DOWN_AFTER, SOURCE_RETRY, SOURCE_THREADS
-from cachefs.errors import source_failure
+from cachefs.errors import NotSent, source_failure
 from cachefs.flight import Flights
 from cachefs.gate import SourceGate
 from cachefs.hooks import KernelHooks
@@ -71,9 +71,10 @@ class SourceGuard:
         return self._down_since is not None
 
     def call(self, op: str, fn: Callable[..., Any], *args: Any, bounded: bool = False) -> Any:
-        """fn(*args): a request to the source, counted as source.<op>. `bounded`: fn keeps
-        --source-timeout itself (a fetch process's request, under its socket's timeout), so
-        it runs on the caller's thread."""
+        """fn(*args): a request to the source, counted as source.<op> (not if fn raises
+        NotSent: its caller asks another way). `bounded`: fn keeps --source-timeout itself
+        (a fetch process's request, under its socket's timeout), so it runs on the caller's
+        thread."""
         self._stats.incr(f"source.{op}")
         if self._down_since is not None and not self._probe_due():
             self._stats.incr("source.fast_failures")
@@ -85,9 +86,14 @@ class SourceGuard:
         gate = (self.gate.background(kind, _size_of(kind, args), flights.urgent(), idle_only=flights.idle_only,
                                      weight=len(args[0]) if kind == "fill_many" else 1)
                 if in_prefetch_thread() else self.gate.demand(kind, _size_of(kind, args)))
+        sent = True
         try:
             with gate:
                 result = self._bounded(op, fn, args, bounded)
+        except NotSent:
+            sent = False
+            self._stats.incr(f"source.{op}", -1)
+            raise
         except OSError as exc:
             if bounded and exc.errno == errno.ETIMEDOUT:  # its own timeout (see Fetchers.fill)
                 self._stats.incr("source.timeouts")
@@ -100,7 +106,8 @@ class SourceGuard:
                 self._stats.incr("source.errors")
             raise
         finally:
-            self._stats.observe(f"source.{op}", time.monotonic() - start)
+            if sent:
+                self._stats.observe(f"source.{op}", time.monotonic() - start)
         self._answered()
         return result
 
