@@ -352,6 +352,49 @@ def test_a_fill_is_taken_by_ram_at_once_while_ram_has_room(tmp_path, batch):
         core.close()
 
 
+@pytest.mark.parametrize("batch", [False, True])
+def test_a_fill_finished_after_its_caller_stopped_waiting_is_taken_not_left_behind(tmp_path, batch):
+    """A fetch process held past --source-timeout (stopped, as on a source that hangs)
+    finishes its fills once it runs again: the tiers take the files it wrote (RAM's within
+    its room), none is left a file nobody owns, and the next open passes each through
+    without the daemon reading the source."""
+    src, files = _jpegs(tmp_path, 2)
+    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
+    _CountingSource.reads = 0
+    core = make_core(_CountingSource(str(src)), ram=12_288, disk=disk, block_size=BS, source_timeout=0.5)
+    core.hooks.connect(passthrough=True)
+    cache = core.cache
+    fetchers = Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2,
+                        ram_dir=cache.ram_fill_dir)
+    core.use_fetchers(fetchers)
+    worker = fetchers.processes[0]
+    try:
+        names = list(files)
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            outcomes = core.prefetch_small_batch(names) if batch else [core.prefetch_small(n) for n in names]
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+        assert [o[0] for o in outcomes] == ["error", "error"]
+        deadline = time.monotonic() + 10
+        while core.stats.get("source.late_fills") < 2:
+            assert time.monotonic() < deadline, "the late replies were not taken"
+            time.sleep(0.02)
+        assert all(disk.entry(core.entry_id(core.file_id(n))) is not None for n in names)
+        ram_files = [p for p in pathlib.Path(cache.ram_fill_dir).rglob("*") if p.is_file()]
+        assert len(cache.ram) == 1 == len(ram_files)                # RAM's room: one of them
+        for name, data in files.items():
+            backing, _ = core.open_file(core.file_id(name))
+            assert backing is not None and open(backing.path, "rb").read() == data
+            backing.release()
+        assert _CountingSource.reads == 0
+        cache.ram.check()
+        disk.check()
+    finally:
+        fetchers.close()
+        core.close()
+
+
 def test_a_ram_copy_that_cannot_be_written_leaves_the_fill_to_nvme_and_gives_back_its_room(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -47,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -343,6 +344,9 @@ class Fetchers:
         self._timeouts: dict[int, float | None] = {}
         self.restarts = 0
         self._restarting = 0  # processes that ended and are to be started again
+        # told of each reply that came after its caller stopped waiting (its timeout): the
+        # request and the reply (a batch's, one call per file)
+        self.on_late: Callable[[Fill, Filled], None] | None = None
         self._per = max(1, -(-channels // processes))
         self._cmd = [sys.executable, "-m", "cachefs.fetcher", "--root", root, "--data", data_dir,
                      "--namespace", namespace.decode(), "--block-size", str(block_size), "--root-fd", str(root_fd),
@@ -473,7 +477,7 @@ class Fetchers:
             _send(sock, message)
             reply = _recv(sock)
         except BlockingIOError:  # SO_RCVTIMEO ran out
-            threading.Thread(target=self._drain, args=(sock,), daemon=True).start()
+            threading.Thread(target=self._drain, args=(sock, message), daemon=True).start()
             raise OSError(errno.ETIMEDOUT, "source did not answer in time (fetch process)", subject) from None
         except (EOFError, OSError):
             self._lose(sock)
@@ -481,16 +485,29 @@ class Fetchers:
         self._free.put(sock)
         return reply  # type: ignore[return-value]
 
-    def _drain(self, sock: socket.socket) -> None:
-        """A late reply: read it, then the channel serves again."""
+    def _drain(self, sock: socket.socket, message: tuple) -> None:  # type: ignore[type-arg]
+        """A late reply to `message`: read it, the channel serves again, and on_late is
+        told of it (a fill's files are written, and nobody adopted them)."""
         try:
             _set_timeout(sock, None)
             self._timeouts[sock.fileno()] = None
-            _recv(sock)
+            reply = _recv(sock)
         except (EOFError, OSError):
             self._lose(sock)
             return
         self._free.put(sock)
+        late = self.on_late
+        if late is None or not isinstance(reply, tuple) or not reply:
+            return
+        try:
+            if message[0] == _MANY:
+                if reply[0] == _MANY:
+                    for request, filled in zip(message[1], reply[1], strict=True):
+                        late(Fill.from_wire(request), Filled.from_wire(filled))
+            else:
+                late(Fill.from_wire(message), Filled.from_wire(reply))
+        except Exception:  # (a late reply's bookkeeping; the channel is back already)
+            log.exception("a late reply of a fetch process could not be taken")
 
     def _lose(self, sock: socket.socket) -> None:
         with self._lock:

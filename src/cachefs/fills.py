@@ -55,7 +55,28 @@ class SmallFills:
     def use_fetchers(self, fetchers: Fetchers) -> None:
         """Fill through these fetch processes from now on (they start after INIT, once
         passthrough is known: see cachefs.daemon.start_fetchers)."""
+        fetchers.on_late = self._late
         self.fetchers = fetchers
+
+    def _late(self, request: Fill, reply: Filled) -> None:
+        """A fill its caller stopped waiting for (--source-timeout) that its fetch process
+        finished: the files it wrote are nobody's. They are adopted where the tiers have
+        free room, as a fill ahead's would be (or are another fill's by now, or deleted):
+        left behind, the NVMe one made the next fills of the file find it written and give
+        up, and the RAM one kept RAM from ever taking the file, outside RAM's budget."""
+        if reply.kind != STORED:
+            return
+        attr = reply.attr
+        if attr is None:  # (its bytes came from the shared tier: the version asked for)
+            if request.expect is None:
+                return
+            attr = _attr_of(request.expect)
+        fid = request.expect if reply.attr is None else FileId.of(request.path, attr)
+        assert fid is not None
+        key = block_key(self.namespace, fid, 0, self.block_size)
+        self._stats.incr("source.late_fills")
+        self._cache.adopt(key, attr.size, reply.hash, EntryInfo(request.path, attr, self.block_size),
+                          ram_reserved=0 if reply.in_ram else None)
 
     @property
     def batches_shared(self) -> bool:

@@ -45,7 +45,7 @@ COUNTERS: tuple[str, ...] = (
     "disk.refused", "disk.no_room", "disk.checksum_failures", "disk.errors", "disk.scrubbed_bytes", "disk.scrub_passes",
     "disk.trusted_files",
     "disk.suspensions", "disk.suspended_writes",
-    "source.served_bytes", "source.bytes", "source.errors", "source.changed", "source.timeouts",
+    "source.served_bytes", "source.bytes", "source.errors", "source.changed", "source.timeouts", "source.late_fills",
     "source.down_events", "source.fast_failures", "source.partial_reads", "source.background_waits",
     "shared.hits", "shared.misses", "shared.bytes", "shared.served_bytes", "shared.puts", "shared.put_bytes",
     "shared.put_dropped", "shared.errors", "shared.checksum_failures", "shared.down_events",
