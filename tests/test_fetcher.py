@@ -188,19 +188,26 @@ class _CountingSource(LocalSource):
         return super().read_whole(*args)
 
 
+def _counted_core(tmp_path, n, source_timeout):
+    """(files, NVMe tier, core) over `n` files of _jpegs, read through _CountingSource
+    (reads zeroed), with 12 KiB of RAM and one fetch process of two channels that may
+    write RAM copies."""
+    src, files = _jpegs(tmp_path, n)
+    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
+    _CountingSource.reads = 0
+    core = make_core(_CountingSource(str(src)), ram=12_288, disk=disk, block_size=BS, source_timeout=source_timeout)
+    core.hooks.connect(passthrough=True)
+    core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2,
+                               ram_dir=core.cache.ram_fill_dir))
+    return files, disk, core
+
+
 def test_a_cold_file_opened_is_filled_by_a_fetch_process_and_passed_through(tmp_path):
     """An open of a cold file of one block (no read-ahead got there first) has a fetch
     process fetch it into the NVMe tier, and RAM's while RAM has room; the daemon reads
     none of its bytes, adopts the file and hands the kernel its copy. Counted as the
     block path counts a reader's fill, not as read-ahead."""
-    src, files = _jpegs(tmp_path, 3)
-    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
-    _CountingSource.reads = 0
-    core = make_core(_CountingSource(str(src)), ram=12_288, disk=disk, block_size=BS, source_timeout=5)
-    core.hooks.connect(passthrough=True)
-    cache = core.cache
-    core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2,
-                               ram_dir=cache.ram_fill_dir))
+    files, disk, core = _counted_core(tmp_path, 3, source_timeout=5)
     try:
         in_ram = []
         for name, data in files.items():
@@ -358,15 +365,9 @@ def test_a_fill_finished_after_its_caller_stopped_waiting_is_taken_not_left_behi
     finishes its fills once it runs again: the tiers take the files it wrote (RAM's within
     its room), none is left a file nobody owns, and the next open passes each through
     without the daemon reading the source."""
-    src, files = _jpegs(tmp_path, 2)
-    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
-    _CountingSource.reads = 0
-    core = make_core(_CountingSource(str(src)), ram=12_288, disk=disk, block_size=BS, source_timeout=0.5)
-    core.hooks.connect(passthrough=True)
-    cache = core.cache
-    fetchers = Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2,
-                        ram_dir=cache.ram_fill_dir)
-    core.use_fetchers(fetchers)
+    files, disk, core = _counted_core(tmp_path, 2, source_timeout=0.5)
+    cache, fetchers = core.cache, core.fetchers
+    assert fetchers is not None
     worker = fetchers.processes[0]
     try:
         names = list(files)
