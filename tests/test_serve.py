@@ -33,6 +33,7 @@ from cachefs.fuse.serve import (
 )
 from cachefs.fuse.servetable import ANSWERED, ServeTable
 from cachefs.nodes import Backings, Nodes
+from cachefs.tablenodes import checkpoint_due
 
 O_RDONLY = os.O_RDONLY
 
@@ -968,3 +969,16 @@ def test_a_serving_process_maps_a_checkpoints_table_once_the_main_process_publis
         os.close(dfd)
         mine.close()
         main.close()
+
+
+def test_a_checkpoint_waits_for_an_epoch_that_reads_what_is_cached():
+    """The NVMe tier is checkpointed once it holds more files than the limit, has stopped
+    growing, and the job opens files: not while a cold epoch still fetches, nor while the
+    job pauses (nothing opened), nor below the limit."""
+    held, limit = 100_000, 16_384
+    assert checkpoint_due(limit, held, grown=0, opened=500)
+    assert checkpoint_due(limit, held, grown=held // 1000, opened=1)      # a trickle: read-ahead's last
+    assert not checkpoint_due(limit, held, grown=held // 1000 + 1, opened=500)  # a cold epoch fetching
+    assert not checkpoint_due(limit, held, grown=0, opened=0)             # a pause: nothing opened
+    assert not checkpoint_due(limit, limit, grown=0, opened=500)          # all registered: nothing to hand over
+    assert not checkpoint_due(limit, held, grown=held + 1, opened=500)    # the first look

@@ -442,9 +442,12 @@ def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_p
     mp = passthrough_mount(mounts, src, "--ram-size", "0", "--readahead", "off", "--serve-processes", "1",
                            "--backing-files", str(limit), "--metadata-ttl", "3600")
     epoch(mp, data, 1)  # into NVMe
+    time.sleep(12)  # (two looks of the checkpoint thread: the tier stopped growing)
+    assert stats(mp)["serve"].get("checkpoints", 0) == 0  # nothing opened meanwhile: no epoch reads the cache yet
     deadline = time.monotonic() + 30
-    while stats(mp)["serve"].get("checkpoints", 0) < 1:
+    while stats(mp)["serve"].get("checkpoints", 0) < 1:  # an epoch reading what is cached
         assert time.monotonic() < deadline, "no checkpoint"
+        assert (mp / "d" / "f00.jpg").read_bytes() == data["d/f00.jpg"]
         time.sleep(0.2)
     for seed in (2, 3):
         with open("/proc/sys/vm/drop_caches", "w") as f:  # every file looked up and opened again
