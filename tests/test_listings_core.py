@@ -168,12 +168,14 @@ def test_a_walk_s_next_directories_are_stat_ed_and_listed_ahead_in_name_order():
     core.readdir("/root")
     wait_listed(core)
     ahead = [f"/root/c{c:03d}" for c in range(LIST_AHEAD)]
-    assert listed == ["/root"] + ahead   # the first LIST_AHEAD, each once, in name order
+    # the first LIST_AHEAD in name order, each once (started in that order, by several
+    # threads: which of two calls the source first is the scheduler's)
+    assert listed[0] == "/root" and sorted(listed[1:]) == ahead and len(listed) == 1 + LIST_AHEAD
     assert all(core.known_attr(d) is not None for d in ahead)   # and their attributes (a walk looks them up)
     assert core.known_attr("/root/readme") is None and source.calls["stat"] == LIST_AHEAD   # files: on demand
     core.readdir("/root/c010")   # a reader at the 11th: the window moves to the 43rd
     wait_listed(core)
-    assert listed[1 + LIST_AHEAD:] == [f"/root/c{c:03d}" for c in range(LIST_AHEAD, 11 + LIST_AHEAD)]
+    assert sorted(listed[1 + LIST_AHEAD:]) == [f"/root/c{c:03d}" for c in range(LIST_AHEAD, 11 + LIST_AHEAD)]
     core.close()
 
 

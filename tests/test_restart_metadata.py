@@ -30,8 +30,9 @@ def _restarted(tmp_path, source: MemorySource, files: dict[str, bytes], **kw):
 
 
 def _checked(core, directory: str) -> None:
+    """Wait until the directory's check has compared its listing with the index."""
     deadline = time.monotonic() + 10
-    while directory not in core.metadata._checked_dirs:
+    while directory not in core.metadata._checked_dirs or directory in core.metadata._checking:
         assert time.monotonic() < deadline, "the directory was never checked"
         time.sleep(0.01)
 
@@ -97,4 +98,27 @@ def test_attributes_older_than_the_metadata_ttl_are_not_trusted(tmp_path):
     core.getattr("/d/f1")
     assert source.calls["stat"] == before + 1
     assert core.stats.get("metadata.index_hits") == 0
+    core.close()
+
+
+def test_after_its_check_a_directory_is_answered_from_the_index_for_what_the_check_confirmed(tmp_path):
+    """The attributes cache holds fewer files than a big tree (500,000 by default; ImageNet
+    has 1.28 million): once its directory is checked, a lookup of a file the cache let go
+    is answered from the index if the check confirmed the file (or it was cached since),
+    not with a stat on the source; a file the check found changed is the source's."""
+    source = MemorySource()
+    core = _restarted(tmp_path, source, FILES, metadata_entries=8)
+    source.add_file("/d/f3", b"rewritten")  # changed before the check, not looked up before it
+    core.getattr("/d/f0")  # from the index; the check follows
+    _checked(core, "/d")
+    before = source.calls["stat"]
+    for _ in range(2):  # 19 files through a cache of 8: each is let go before it comes again
+        for name, data in FILES.items():
+            if name != "/d/f3":
+                assert core.getattr(name).size == len(data)
+    assert source.calls["stat"] == before
+    assert core.stats.get("metadata.index_hits") >= 2 * 19 - 8
+    assert core.getattr("/d/f3").size == len(b"rewritten")
+    assert source.calls["stat"] == before + 1  # (let go by the cache too: asked again, not the index)
+    assert core.read("/d/f3", 0, 100) == b"rewritten"
     core.close()

@@ -128,7 +128,7 @@ class Metadata:
         # background. So a restarted job's first epoch costs a request per directory, not
         # one per file.
         self._index_answers = cache.remembers
-        self._checked_dirs: set[str] = set()
+        self._checked_dirs: dict[str, float] = {}  # dir -> wall time of its check (see _indexed)
         self._answered: dict[str, set[str]] = {}  # dir -> names answered from the index, unchecked
         self._rows_dirs: set[str] = set()  # dirs whose files the serving processes answer from the index
         self._checking: dict[str, threading.Event] = {}  # dir -> set when its check has compared
@@ -354,16 +354,26 @@ class Metadata:
             return None
         attr, stored_at = known
         left = self.metadata_ttl - (time.time() - stored_at)
+        if left <= 0:
+            return None  # too old
         directory, _, name = path.rpartition("/")
         directory = directory or "/"
-        if left <= 0 or directory in self._checked_dirs:
-            return None  # too old, or its directory's listing said otherwise (not listed: gone)
+        first = False
         with self._check_lock:
-            names = self._answered.get(directory)
-            first = names is None
-            if first:
-                names = self._answered[directory] = set()
-            names.add(name)  # type: ignore[union-attr]
+            checked = self._checked_dirs.get(directory)
+            if checked is None:  # answered before its check, which compares it
+                names = self._answered.get(directory)
+                first = names is None
+                if first:
+                    names = self._answered[directory] = set()
+                names.add(name)  # type: ignore[union-attr]
+            elif stored_at < checked:
+                # Not confirmed by the check (changed or gone since), nor cached since: the
+                # source is asked. Confirmed or cached since, it is as good as the check's
+                # own attributes, which the attributes cache may have let go (at 1.28
+                # million files, more than it holds, each of those lookups was a stat on
+                # the source).
+                return None
         self._attrs.put(path, attr, min(left, self.metadata_ttl))
         self.stats.incr("metadata.index_hits")
         if first:
@@ -393,7 +403,7 @@ class Metadata:
         # in `answered`) or the listing's attributes, never the source.
         done = threading.Event()
         with self._check_lock:
-            self._checked_dirs.add(directory)
+            self._checked_dirs[directory] = time.time()  # (before _compare confirms what it finds)
             answered = self._answered.pop(directory, set())
             rows = directory in self._rows_dirs
             before = self._checking.get(directory)  # two listings at once both check: the
