@@ -122,3 +122,29 @@ def test_after_its_check_a_directory_is_answered_from_the_index_for_what_the_che
     assert source.calls["stat"] == before + 1  # (let go by the cache too: asked again, not the index)
     assert core.read("/d/f3", 0, 100) == b"rewritten"
     core.close()
+
+
+def test_a_first_mount_answers_lookups_the_attributes_cache_let_go_from_the_index(tmp_path):
+    """In the mount that cached them too: a file's attributes stored with its cached copy
+    answer its lookup once the attributes cache let them go (no stat on the source),
+    unless the source was since found to have another version of the file."""
+    source = MemorySource()
+    for name, data in FILES.items():
+        source.add_file(name, data)
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False), block_size=BS,
+                     metadata_entries=8)
+    for name, data in FILES.items():
+        assert core.read(name, 0, len(data)) == data
+    source.add_file("/d/f3", b"rewritten")
+    core.metadata.invalidate("/d/f3")
+    assert core.getattr("/d/f3").size == len(b"rewritten")  # the source's new version, learnt
+    before = source.calls["stat"]
+    for _ in range(2):  # 19 files through a cache of 8
+        for name, data in FILES.items():
+            if name != "/d/f3":
+                assert core.getattr(name).size == len(data)
+    assert source.calls["stat"] == before and core.stats.get("metadata.index_hits") >= 2 * 19 - 8
+    assert core.getattr("/d/f3").size == len(b"rewritten")  # not the cached version's attributes
+    assert source.calls["stat"] == before + 1
+    assert core.read("/d/f3", 0, 100) == b"rewritten"
+    core.close()

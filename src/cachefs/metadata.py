@@ -127,7 +127,8 @@ class Metadata:
         # from the index before its directory was listed has the directory checked in the
         # background. So a restarted job's first epoch costs a request per directory, not
         # one per file.
-        self._index_answers = cache.remembers
+        self._index_answers = cache.has_disk  # cached files' attributes answer lookups (_indexed)
+        self._index_checks = cache.remembers  # entries from before this start: directories checked
         self._checked_dirs: dict[str, float] = {}  # dir -> wall time of its check (see _indexed)
         self._answered: dict[str, set[str]] = {}  # dir -> names answered from the index, unchecked
         self._rows_dirs: set[str] = set()  # dirs whose files the serving processes answer from the index
@@ -177,7 +178,7 @@ class Metadata:
             if isinstance(stale, int):
                 raise FileNotFoundError(stale, "no such file (cached)", path) from None
             return stale  # type: ignore[return-value]
-        self._attrs.put(path, attr, self.metadata_ttl)
+        self._learned(path, attr)
         # The rest of the directory's attributes ahead, and `ls -l` (cachefs/listahead.py). A
         # walk looks subdirectories up one after another, and directory read-ahead the files
         # it fetches: neither counts.
@@ -288,7 +289,7 @@ class Metadata:
         entry's attributes: a directory's check after a restart (see _check_dir), and
         `attrs`: behind a file's first lookup in the directory, and for `ls -l`
         (cachefs/listahead.py)."""
-        check = self._index_answers and path not in self._checked_dirs
+        check = self._index_checks and path not in self._checked_dirs
         try:
             entries = self._guard.call("listdir", self.source.listdir, path, check or attrs)
         except OSError as exc:
@@ -301,7 +302,7 @@ class Metadata:
             if attrs:
                 for e in entries:
                     if e.attr is not None:
-                        self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
+                        self._learned(prefix + e.name, self._with_acl(prefix + e.name, e.attr))
         self._dirs.put(path, entries, self.metadata_ttl)
         if self._listings is not None:
             own = self._attrs.get(path)
@@ -333,7 +334,7 @@ class Metadata:
             if strict:
                 raise
             return None
-        self._attrs.put(path, attr, self.metadata_ttl)
+        self._learned(path, attr)
         return attr
 
     def _stat_all(self, paths: list[str]) -> dict[str, Attr]:
@@ -347,6 +348,16 @@ class Metadata:
             found = {path: future.result() for path, future in futures}
         return {path: attr for path, attr in found.items() if attr is not None}
 
+    def _learned(self, path: str, attr: Attr) -> None:
+        """Attributes just read from the source, into the cache for the TTL. A cached
+        version of the file the index holds that they do not match is outdated: the index
+        answers no lookup with it once the cache lets these go (see _indexed)."""
+        self._attrs.put(path, attr, self.metadata_ttl)
+        if self._index_answers and not attr.is_dir:
+            known = self._cache.indexed_attr(path)
+            if known is not None and not FileId.of(path, known[0]).matches(attr):
+                self._cache.outdated(path)
+
     def _indexed(self, path: str) -> Attr | None:
         """A lookup answered from the NVMe tier's index (see __init__), or None."""
         known = self._cache.indexed_attr(path)
@@ -359,6 +370,10 @@ class Metadata:
         directory, _, name = path.rpartition("/")
         directory = directory or "/"
         first = False
+        if not self._index_checks:  # every entry was stored in this mount, from the source (see _learned)
+            self._attrs.put(path, attr, min(left, self.metadata_ttl))
+            self.stats.incr("metadata.index_hits")
+            return attr
         with self._check_lock:
             checked = self._checked_dirs.get(directory)
             if checked is None:  # answered before its check, which compares it
@@ -387,7 +402,7 @@ class Metadata:
         it counts as answered (the kernel may hold any of them)."""
         with self._check_lock:
             self._rows_dirs.add(directory)
-        if self._index_answers and directory not in self._checked_dirs:
+        if self._index_checks and directory not in self._checked_dirs:
             self._check_soon(directory)
 
     def _check_dir(self, directory: str, entries: list[DirEntry]) -> None:
@@ -529,7 +544,11 @@ class Metadata:
         return attr._replace(mode=acl.restrict(attr.mode, raw, attr.gid))
 
     def invalidate(self, path: str) -> None:
-        """Forget cached metadata of `path` (its blocks are keyed by identity and simply stop matching)."""
+        """Forget cached metadata of `path` (its blocks are keyed by identity and simply stop
+        matching), and have the index answer no lookup of it with a cached version's
+        attributes: the next lookup asks the source."""
+        if self._index_answers:
+            self._cache.outdated(path)
         self._attrs.pop(path)
         self._dirs.pop(path)
         self._xattr_cache.pop(path)

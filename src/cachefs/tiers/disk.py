@@ -502,6 +502,8 @@ class DiskTier(FromTable, Checks, FileStore):
         of `path`. A restored entry is answered from its record, left out of memory."""
         eid = self._paths.get(path)
         if eid is None:
+            if self._restored is None:
+                return None
             row = self._restored_row(path)
             if row is not None:
                 return row[1].attr, row[1].stored_at
@@ -515,6 +517,17 @@ class DiskTier(FromTable, Checks, FileStore):
     def confirm(self, path: str) -> None:
         """The source still has the newest cached version of `path`: its attributes are good
         as of now (kept in the index at the next compaction or clean stop)."""
+        self._known_good(path, time.time())
+
+    def outdated(self, path: str) -> None:
+        """The source has another version of `path` than the newest cached one: its
+        attributes are not known good any more (no lookup is answered with them, here or
+        after a restart); a check that finds the source back at this version confirms it."""
+        self._known_good(path, 0.0)
+
+    def _known_good(self, path: str, when: float) -> None:
+        """The newest cached version of `path` (brought in from the table if it is there)
+        has its attributes known good as of `when`."""
         eid = self._paths.get(path)
         if eid is None:
             found = self._restored_row(path)
@@ -525,7 +538,7 @@ class DiskTier(FromTable, Checks, FileStore):
             eid = self._paths.get(path)
         e = self._entries.get(eid) if eid is not None else None
         if e is not None:
-            e.stored_at = time.time()
+            e.stored_at = when
             self._confirmed = True
 
     # -- shutdown -------------------------------------------------------------------------------

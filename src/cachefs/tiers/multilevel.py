@@ -468,6 +468,11 @@ class MultiLevelCache:
         if self.disk is not None:
             self.disk.confirm(path)
 
+    def outdated(self, path: str) -> None:
+        """The source has another version of `path` than the newest cached one."""
+        if self.disk is not None:
+            self.disk.outdated(path)
+
     def count_shared_servers(self, counts: dict[str, tuple[int, int]]) -> None:
         """What a fetch process counted per shared-tier server (hits, misses)."""
         if self.shared is not None:
