@@ -237,3 +237,48 @@ def test_keep_never_evicts_in_a_first_pass_with_rereads_and_read_ahead():
     assert len(p) == 100
     kept = p.keys()
     assert all(index < 200 for _, index in kept)  # the first blocks admitted, kept
+
+
+@pytest.mark.parametrize("cls", [KeepPolicy, LRUPolicy])
+def test_hits_in_a_batch_keep_the_books_of_hits_one_by_one(cls):
+    """A serving process's report counts its opens' blocks in one call (hit_many): the
+    tier's books, its victims and its idle thresholds come out as if each block had been
+    hit on its own, through epochs that end windows, reuse entries, hit blocks fetched
+    ahead and keys the tier does not hold."""
+    rng = random.Random(3)
+    one, batched = cls(60, clock=FakeClock()), cls(60, clock=FakeClock())
+    pending: list = []
+    for _ in range(6):
+        order = list(range(100))
+        rng.shuffle(order)
+        for i in order:
+            key = ("f", i)
+            if rng.random() < 0.1:
+                key = ("absent", i)  # a report of a file this tier let go meanwhile
+            elif key not in one:
+                assert key not in batched
+                batched.hit_many(pending)  # (the report came before this miss)
+                pending = []
+                ahead = rng.random() < 0.2
+                for p in (one, batched):
+                    p.miss()
+                    victims = p.admit(key, 1, evict=not ahead)
+                    if p is one:
+                        expected = victims
+                    else:
+                        assert victims == expected
+                if key not in one:
+                    continue
+            one.hit(key)
+            pending.append(key)
+            if len(pending) == 7 or rng.random() < 0.05:
+                batched.hit_many(pending)
+                pending = []
+        batched.hit_many(pending)
+        pending = []
+        for p in (one, batched):
+            p.check()
+        assert list(one._entries.items()) == list(batched._entries.items())
+        assert (one.mean_reuse, one._max_reuse, one.long_run_hit_rate, one.collapsed, one._tick) == \
+            (batched.mean_reuse, batched._max_reuse, batched.long_run_hit_rate, batched.collapsed, batched._tick)
+    assert one.mean_reuse > 0  # the epochs' reuses were counted

@@ -537,13 +537,15 @@ class FileStore:
                 if not self._usable():
                     found += [False] * len(eids[at:at + 32])
                     continue
+                hits: list[BlockKey] = []
                 for eid in eids[at:at + 32]:
                     e = entry_of(eid)
                     if e is not None and e.complete:
-                        self._hit_blocks(eid, e)
+                        hits += [(eid, i) for i in range(len(e.hashes))]
                         found.append(True)
                     else:
                         found.append(False)
+                self.policy.hit_many(hits)
         return found
 
     def needs_check(self, eid: bytes) -> bool:
@@ -556,8 +558,7 @@ class FileStore:
         return self.file_of(e.name)
 
     def _hit_blocks(self, eid: bytes, e: Entry) -> None:
-        for i in range(len(e.hashes)):
-            self.policy.hit((eid, i))
+        self.policy.hit_many([(eid, i) for i in range(len(e.hashes))])
 
     def acquire(self, eid: bytes) -> bool:
         """The kernel opened the entry's file for passthrough: it is not punched until released."""
