@@ -31,7 +31,7 @@ from cachefs.fuse.serve import (
     Server,
     decode_report,
 )
-from cachefs.fuse.servetable import ANSWERED, ServeTable
+from cachefs.fuse.servetable import ANSWERED, MAPPED, ServeTable
 from cachefs.nodes import Backings, Nodes
 from cachefs.tablenodes import checkpoint_due
 
@@ -951,6 +951,7 @@ def test_a_serving_process_maps_a_checkpoints_table_once_the_main_process_publis
     k.server.backing_open = lambda fd: 77  # type: ignore[method-assign]
     tfd = os.open(tmp_path / "t", os.O_RDONLY)
     dfd = os.open(data, os.O_PATH | os.O_DIRECTORY)
+    closing: list[int] = []
     try:
         k.send(p.LOOKUP, 7, b"a.jpg\0")
         assert k.forwarded()[4:] and mine.rows == 0                 # no table nodes yet
@@ -963,10 +964,40 @@ def test_a_serving_process_maps_a_checkpoints_table_once_the_main_process_publis
         u = k.send(p.OPEN, 1024, open_in(os.O_RDONLY))
         unique, error, out = k.reply()
         assert (unique, error) == (u, 0) and main.slots[1024] == 77  # registered by the serving process
+        assert main.rows_everywhere([True]) and main.line(0, MAPPED) == 1
+        # The next generation: the record before in its number, a new one after it
+        eid2 = bytes([8]) * 16
+        (data / eid2.hex()[:2]).mkdir()
+        (data / eid2.hex()[:2] / eid2.hex()).write_bytes(b"z" * 40)
+        attr2 = attr._replace(size=40, ino=78)
+        entry_table.write(str(tmp_path / "t2"), [Row(eid, "/d/a.jpg", attr, 1 << 20, time.time(), synced, [1]),
+                                                 Row(eid2, "/d/b.jpg", attr2, 1 << 20, time.time(), synced, [1])],
+                          synced, 6, numbered=1)
+        os.unlink(tmp_path / "t")  # (the main process unlinks the table before)
+        tfd2 = os.open(tmp_path / "t2", os.O_RDONLY)
+        closing.append(tfd2)
+        k.send(p.LOOKUP, 7, b"b.jpg\0")
+        assert k.forwarded()[4:]                                   # not before it is published
+        main.publish_rows(2, tfd2, dfd)
+        assert not main.rows_everywhere([True]) and main.rows_everywhere([False])  # (a dead process maps nothing)
+        time.sleep(0.1)
+        u = k.send(p.LOOKUP, 7, b"b.jpg\0")
+        assert k.reply() == (u, 0, p.pack_entry_of(1025, 78, 0o100444, 1, 0, 0, 40, 1, 2, 3, 8, 0, (3600, 0)))
+        u = k.send(p.LOOKUP, 7, b"a.jpg\0")                       # the node before keeps its id
+        assert k.reply() == (u, 0, p.pack_entry_of(1024, 77, 0o100444, 1, 0, 0, 30, 1, 2, 3, 8, 0, (3600, 0)))
+        assert mine.rows == 2 and main.rows_everywhere([True]) and main.line(0, MAPPED) == 2
+        # A generation that cannot be mapped: the one before stays, and is not tried again
+        main.publish_rows(2, 999, dfd)
+        time.sleep(0.1)
+        u = k.send(p.LOOKUP, 7, b"b.jpg\0")
+        assert k.reply()[:2] == (u, 0) and mine.rows == 2 and not main.rows_everywhere([True])
+        assert mine.rows_published() is None
     finally:
         k.close()
-        os.close(tfd)
-        os.close(dfd)
+        if k.server.rows is not None:
+            k.server.rows.close()
+        for fd in [tfd, dfd, *closing, *k.server._rows_fds]:
+            os.close(fd)
         mine.close()
         main.close()
 
@@ -974,7 +1005,7 @@ def test_a_serving_process_maps_a_checkpoints_table_once_the_main_process_publis
 def test_a_checkpoint_waits_for_an_epoch_that_reads_what_is_cached():
     """The NVMe tier is checkpointed once it holds more files than the limit, has stopped
     growing, and the job opens files: not while a cold epoch still fetches, nor while the
-    job pauses (nothing opened), nor below the limit."""
+    job pauses (nothing opened), nor below the limit; and again once it cached many more."""
     held, limit = 100_000, 16_384
     assert checkpoint_due(limit, held, grown=0, opened=500)
     assert checkpoint_due(limit, held, grown=held // 1000, opened=1)      # a trickle: read-ahead's last
@@ -982,3 +1013,9 @@ def test_a_checkpoint_waits_for_an_epoch_that_reads_what_is_cached():
     assert not checkpoint_due(limit, held, grown=0, opened=0)             # a pause: nothing opened
     assert not checkpoint_due(limit, limit, grown=0, opened=500)          # all registered: nothing to hand over
     assert not checkpoint_due(limit, held, grown=held + 1, opened=500)    # the first look
+    # the next generation, on the same terms, once the files stored since the last are
+    # more than an eighth of its
+    assert checkpoint_due(limit, held, grown=0, opened=500, tabled=80_000, since=10_001)
+    assert not checkpoint_due(limit, held, grown=0, opened=500, tabled=80_000, since=10_000)
+    assert not checkpoint_due(limit, held, grown=held // 100, opened=500, tabled=80_000, since=20_000)
+    assert not checkpoint_due(limit, held, grown=0, opened=0, tabled=80_000, since=20_000)

@@ -311,8 +311,8 @@ def test_a_checkpoint_is_a_table_of_what_a_mount_without_one_holds(disk):
     """A mount that started without a table (its first) writes the entries it holds as a
     table of their own, for the serving processes' table nodes: found by path and by id,
     each vouched for by the checkpoint, counted in the budget; a newer version of a path
-    retires its record; one checkpoint a mount, none after a start from a table; the
-    index does not name it, and the next start (or a clean stop) removes it."""
+    retires its record; none without a file new since the last, nor after a start from
+    a table; the index does not name it, and the next start (or a clean stop) removes it."""
     t = disk()
     data = {n: os.urandom(3000 + n) for n in range(20)}
     for n, d in data.items():
@@ -335,7 +335,7 @@ def test_a_checkpoint_is_a_table_of_what_a_mount_without_one_holds(disk):
     m = table.Mapped(os.open(os.path.join(t.directory, tables(t)[0]), os.O_RDONLY))
     assert m.record(n) is not None
     m.close()
-    assert t.checkpoint() is None                                      # one a mount
+    assert t.checkpoint() == (-1, 20)                                  # nothing new since
     assert t.put((eid(99), 0), b"n" * 4000, EntryInfo("/f3", ATTR._replace(size=4000, mtime_ns=5), BS))
     assert retired == [n]                                              # not the path's newest any more
     check(t)
@@ -378,6 +378,53 @@ def test_a_path_stored_while_a_checkpoint_is_written_retires_its_record(disk, mo
     assert retired == [n, t.table_find(path="/f4")]                   # (after it, as before)
     check(t)
     t.close()
+
+
+def test_a_next_checkpoint_keeps_the_records_before_in_their_numbers(disk):
+    """A mount that cached more files after its checkpoint writes the next generation: every
+    record of the one before in its number (the kernel may hold its node id), a dropped
+    entry's as that table had it, then the files stored since (not RAM's); a newer
+    version of a path is the new table's record of it. The table before is unlinked, and
+    counted in the budget until no serving process maps it (checkpoint_released)."""
+    t = disk()
+    for n in range(10):
+        put(t, n, os.urandom(3000 + n))
+    fd, count = t.checkpoint()
+    os.close(fd)
+    first = tables(t)
+    one = {n: (t.table_eid_size(n), t.table_row(n)) for n in range(count)}
+    assert count == 10 and t.stored_since_checkpoint == 0
+    for n in range(10, 16):
+        put(t, n, os.urandom(3000 + n))
+    assert t.put((eid(99), 0), b"n" * 4000, EntryInfo("/f2", ATTR._replace(size=4000, mtime_ns=5), BS))
+    dropped = t.table_find(eid=eid(7))
+    t.discard((eid(7), 0))
+    assert t.stored_since_checkpoint == 7
+    size_before = t._checkpoint_bytes
+    fd, count = t.checkpoint(skip={eid(15)})                            # (RAM holds f15)
+    os.close(fd)
+    assert count == 10 + 6 and tables(t) != first and len(tables(t)) == 1  # the one before unlinked
+    for n, (eid_size, r) in one.items():
+        assert t.table_eid_size(n) == eid_size, n                       # the same record, the same number
+        if n != dropped:
+            assert t.table_row(n)._replace(synced_ns=0) == r._replace(newest=r.path != "/f2", synced_ns=0)
+    assert t.table_row(dropped) == one[dropped][1]                       # as the table before had it
+    assert [t.table_eid_size(n)[0] for n in range(10, 16)] == [eid(n) for n in range(10, 15)] + [eid(99)]
+    assert t.table_find(path="/f2") == 15 and t.table_find(path="/f15") is None
+    size = os.path.getsize(os.path.join(t.directory, tables(t)[0]))
+    assert t._checkpoint_bytes == size + size_before                    # the one before: still mapped
+    t.checkpoint_released()
+    assert t._checkpoint_bytes == size and t._volume() >= t.policy.used + size
+    ram = {eid(15)}
+    assert t.checkpoint(room=16, skip=ram) == (-1, 16) and t.stored_since_checkpoint == 0  # nothing new
+    put(t, 20, os.urandom(3000))
+    ram.add(eid(20))
+    assert t.checkpoint(room=16, skip=ram) == (-1, 16) and t.stored_since_checkpoint == 0  # (RAM holds it)
+    put(t, 21, os.urandom(3000))
+    assert t.checkpoint(room=16, skip=ram) is None and t.stored_since_checkpoint == 1  # no room: not written
+    check(t)
+    t.close()
+    assert tables(t) and first[0] not in tables(t)
 
 
 def test_a_checkpoint_without_room_in_the_budget_is_not_written(disk):

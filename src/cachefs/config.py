@@ -76,6 +76,7 @@ NODE_TABLE_CAPACITY = 1 << 24
 # a table whose records the serving processes answer (a checkpoint, see tablenodes.py).
 CHECKPOINT_EVERY = 5.0
 CHECKPOINT_QUIET = 1000   # stopped growing: by less than 1/1000 of the files held since the last look
+CHECKPOINT_NEXT = 8       # a next generation: the files stored since are more than 1/8 of the table's
 
 # Names published ahead (cachefs/published.py, _publish_dir): the cached files of a
 # directory the daemon looks a file up in are published to the serving processes before

@@ -69,6 +69,7 @@ COUNTERS: tuple[str, ...] = (
 GAUGES: tuple[str, ...] = (
     "ram.used_bytes", "ram.capacity_bytes", "ram.entries", "ram.files",
     "disk.used_bytes", "disk.capacity_bytes", "disk.entries", "disk.files", "disk.suspended",
+    "disk.checkpoint_bytes",
     "source.down", "source.background_limit", "metadata.entries", "prefetch.queued", "prefetch.unused",
     "hint.sessions", "hint.pinned_bytes", "hint.queued", "opens.backing_files", "opens.backing_files_ram",
     "serve.processes", "serve.published", "serve.names",

@@ -21,7 +21,7 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cachefs.config import CHECKPOINT_EVERY, CHECKPOINT_QUIET, NODE_TABLE_CAPACITY
+from cachefs.config import CHECKPOINT_EVERY, CHECKPOINT_NEXT, CHECKPOINT_QUIET, NODE_TABLE_CAPACITY
 from cachefs.fuse import protocol as p
 from cachefs.fuse.servetable import ROW_FREE, ROW_NAMED, ROW_TAKEN, ServeTable, TableNodes
 from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
@@ -36,14 +36,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def checkpoint_due(limit: int, held: int, grown: int, opened: int) -> bool:
+def checkpoint_due(limit: int, held: int, grown: int, opened: int, tabled: int = 0, since: int = 0) -> bool:
     """Whether the NVMe tier's `held` files are to be checkpointed now: more than `limit`
     (--backing-files), grown by less than 1/CHECKPOINT_QUIET of them in the last
     CHECKPOINT_EVERY while the job opened files. A cold epoch still fetching grows the tier
     (1/100 had let one of 889 files/s through at 410,814 of 1.28 million files); one that
-    pauses (a model checkpoint written mid-epoch) opens nothing: the checkpoint, once a
-    mount, waits for an epoch that reads what is cached."""
-    return held > limit and 0 <= grown <= held // CHECKPOINT_QUIET and opened > 0
+    pauses (a model checkpoint written mid-epoch) opens nothing: the checkpoint waits for
+    an epoch that reads what is cached. After one of `tabled` files, the next generation
+    is due on the same terms once the files stored `since` are more than 1/CHECKPOINT_NEXT
+    of them (the rest of a cold epoch that paused, another dataset)."""
+    quiet = 0 <= grown <= held // CHECKPOINT_QUIET and opened > 0
+    return held > limit and quiet and (not tabled or since > tabled // CHECKPOINT_NEXT)
 
 
 class TableNodeOwner:
@@ -79,7 +82,7 @@ class TableNodeOwner:
     _rows_closing: set[int]        # a taking waits those out (see _close_rows)
     _checkpointer: threading.Thread | None
     _checkpoint_stop: threading.Event
-    _checkpoint_fds: list[int]
+    _checkpoint_fds: list[int]  # the data directory's, then the checkpoints' tables still mapped, newest last
 
     def _init_table_nodes(self) -> None:
         """Whether table nodes are on, directories whose path is published, what the
@@ -139,25 +142,31 @@ class TableNodeOwner:
     def _checkpoint_loop(self) -> None:
         """Once the NVMe tier holds more files than --backing-files keeps registered, and has
         stopped growing (by less than 1/CHECKPOINT_QUIET of its files in CHECKPOINT_EVERY:
-        the cold epoch is over), its entries become table nodes (_checkpoint). Until then
-        a file whose registration was closed past the limit was the daemon's to look up and
-        register again at each open, forwarded: at 1.28 million files, 0.557 ms of CPU per
-        file in the first mount against 0.132 after a remount, where table nodes are the
-        serving processes'. See checkpoint_due."""
-        last, opened = -1, 0
-        stats = self.core.stats
+        the cold epoch is over), its entries become table nodes (_checkpoint); again, as
+        the next generation, once it cached many more. Until then a file whose
+        registration was closed past the limit was the daemon's to look up and register
+        again at each open, forwarded: at 1.28 million files, 0.557 ms of CPU per file in
+        the first mount against 0.132 after a remount, where table nodes are the serving
+        processes'. A checkpoint that fails is not tried again. See checkpoint_due."""
+        last, opened, tabled = -1, 0, 0
+        stats, cache = self.core.stats, self.core.cache
         while not self._checkpoint_stop.wait(CHECKPOINT_EVERY):
-            held = self.core.cache.disk_files
+            self._release_checkpoints()
+            held = cache.disk_files
             opens = stats.get("opens.passthrough") + stats.get("opens.daemon")
-            if checkpoint_due(self._backing_limit, held, held - last, opens - opened):
+            if checkpoint_due(self._backing_limit, held, held - last, opens - opened, tabled,
+                              cache.stored_since_checkpoint):
                 try:
-                    self._checkpoint()
+                    count = self._checkpoint()
                 except Exception:
                     log.exception("the checkpoint of the NVMe tier's entries failed; the daemon answers them")
-                return
+                    count = None
+                if count is None:
+                    return
+                tabled = count
             last, opened = held, opens
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self) -> int | None:
         """The NVMe tier's entries written as an entry table (MultiLevelCache.checkpoint), whose
         records the serving processes answer from now on as after a remount: a cached
         file's lookups from its record once the kernel has forgotten the daemon's node for
@@ -165,29 +174,50 @@ class TableNodeOwner:
         have their paths published (those it looks up later, at that lookup). Files RAM
         holds are left out: they stay the daemon's nodes, as before (taken as named, more
         of them than the names' limit had their names taken back in turn: at 1 GiB of RAM
-        and files of 2 KB, 262,144 files against a limit of 257,122)."""
+        and files of 2 KB, 262,144 files against a limit of 257,122). A next generation
+        (the records before in their numbers) is published in place of the one before,
+        whose descriptor this process keeps until every serving process maps the new one.
+        The records the serving processes answer now, or None (it failed)."""
         table = self._table
-        got = self.core.cache.checkpoint()
-        if got is None or table is None:
-            return
+        if table is None:
+            return None
+        got = self.core.cache.checkpoint(room=table.room)
+        if got is None:
+            return None
         table_fd, count = got
-        if count > table.room:
-            os.close(table_fd)
-            log.info("a checkpoint of %d files is more than the serving table has room for", count)
-            return
+        if table_fd < 0:  # nothing new to write (RAM holds what was stored since)
+            return count
+        if self._rows:  # a next generation
+            self._checkpoint_fds.append(table_fd)
+            table.publish_rows(count, table_fd, self._checkpoint_fds[0])
+            log.info("serving processes answer the %d files of the checkpoint's next entry table", count)
+            self.core.stats.incr("serve.checkpoints")
+            return count
         try:
             data_fd = os.open(self.core.cache.fill_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
         except OSError as exc:
             os.close(table_fd)
             log.warning("the NVMe tier's data directory: %s; the daemon answers its files", exc.strerror)
-            return
-        self._checkpoint_fds = [table_fd, data_fd]  # open for the mount: the serving processes open them
+            return None
+        self._checkpoint_fds = [data_fd, table_fd]  # the serving processes open them (the newest table last)
         self._start_rows(count, (table_fd, data_fd))
         for nodeid, path in self.nodes.unversioned():
             a = self.core.metadata.last_known(path)
             if a is not None and a.is_dir:
                 self._publish_dir_path(nodeid, path)
         self.core.stats.incr("serve.checkpoints")
+        return count
+
+    def _release_checkpoints(self) -> None:
+        """Once every serving process maps the newest checkpoint, the descriptors of the ones
+        before it are closed, and their blocks leave the tier's budget."""
+        fds, table, session = self._checkpoint_fds, self._table, self.session
+        if len(fds) <= 2 or table is None or session is None or not table.rows_everywhere(session.servers_alive):
+            return
+        for fd in fds[1:-1]:
+            os.close(fd)
+        self._checkpoint_fds = [fds[0], fds[-1]]
+        self.core.cache.checkpoint_released()
 
     def _publish_dir_path(self, nodeid: int, path: str) -> None:
         """A directory looked up: the serving processes look its files up in the entry table
@@ -208,8 +238,8 @@ class TableNodeOwner:
         answer it."""
         assert self._table is not None
         n = self.core.cache.table_record_of(path)
-        if n is None or not self._table.row_theirs(n):
-            return None
+        if n is None or n >= self._table.rows or not self._table.row_theirs(n):
+            return None  # (or a checkpoint's next generation, not published yet)
         row = self.core.cache.table_file(n)
         if row is None or version_of(row.attr) != version_of(a):
             return None

@@ -463,3 +463,57 @@ def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_p
         assert after["opens"]["passthrough"] - before["opens"]["passthrough"] == len(data)  # once each
         assert after["fuse"].get("errors", 0) == 0
     assert after["serve"]["table_registrations"] >= len(data) - limit
+
+
+def _checkpoints(mp, data, n):
+    """Read cached files until the mount has written `n` checkpoints."""
+    deadline = time.monotonic() + 40
+    rel = sorted(data)[0]
+    while stats(mp)["serve"].get("checkpoints", 0) < n:
+        assert time.monotonic() < deadline, f"no checkpoint {n}"
+        assert (mp / rel).read_bytes() == data[rel]
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_files_cached_after_the_checkpoint_are_handed_over_by_the_next_one(tmp_path, mounts):
+    """A mount that caches many more files after its checkpoint (a second dataset, the rest
+    of a cold epoch that paused) writes the next generation of the table: the files before
+    keep their records (and node ids), the new ones follow, and with the page cache dropped
+    an epoch over both is the serving processes' (without it, each new file's lookup and
+    open came to the daemon). The table before leaves the disk, and its bytes the tier's
+    budget once the serving process maps the new one."""
+    src = tmp_path / "src"
+    data: dict[str, dict[str, bytes]] = {"a": {}, "b": {}}
+    for d in data:
+        (src / d).mkdir(parents=True)
+        for i in range(60):
+            data[d][f"{d}/f{i:02d}.jpg"] = blob = os.urandom(20_000 + i)
+            (src / d / f"f{i:02d}.jpg").write_bytes(blob)
+    mp = passthrough_mount(mounts, src, "--ram-size", "0", "--readahead", "off", "--serve-processes", "1",
+                           "--backing-files", "16", "--metadata-ttl", "3600")
+    cache = mounts.tmp / "cache"
+    epoch(mp, data["a"], 1)
+    _checkpoints(mp, data["a"], 1)
+    epoch(mp, data["b"], 1)  # cached after the checkpoint: the daemon's nodes
+    _checkpoints(mp, data["b"], 2)
+    assert len(list(cache.rglob("entries-*"))) == 1  # the table before is unlinked
+    both = {**data["a"], **data["b"]}
+    for seed in (2, 3):
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        before = settled(mp)
+        epoch(mp, both, seed)
+        after = stats(mp)
+        stats_queries = after["fuse"]["getxattr"] - before["fuse"]["getxattr"]
+        forwarded = after["serve"]["forwarded"] - before["serve"]["forwarded"] - stats_queries
+        assert forwarded <= 6, (seed, forwarded)  # the directories' lookups (without: the new files' too)
+        assert after["disk"]["hits"] - before["disk"]["hits"] == len(both)
+        assert after["opens"]["passthrough"] - before["opens"]["passthrough"] == len(both)
+        assert after["fuse"].get("errors", 0) == 0
+    table, = cache.rglob("entries-*")
+    deadline = time.monotonic() + 15  # (the daemon looks every few seconds)
+    while (counted := stats(mp)["disk"]["checkpoint_bytes"]) != table.stat().st_size:
+        assert counted > table.stat().st_size  # (the one before, till then)
+        assert time.monotonic() < deadline, "the table before is still counted"
+        time.sleep(0.5)

@@ -105,6 +105,8 @@ class TableRows(Protocol):
 
     def open_held(self, fields: tuple) -> int: ...
 
+    def close(self) -> None: ...
+
 
 # -- a serving process -------------------------------------------------------------------------
 
@@ -121,6 +123,7 @@ class Server:
         # Table nodes: the NVMe tier's entry table, and how long a record's attributes are
         # good for after they were stored (--metadata-ttl)
         self.rows, self.ttl = rows if table.rows else None, ttl
+        self._rows_fds: list[int] = []  # a checkpoint's table and data directory, as mapped here
         self.valid = p.split_timeout(ttl)
         self.buf = bytearray(bufsize)
         self.prefix = _PREFIX.pack(index)
@@ -184,7 +187,7 @@ class Server:
             now = monotonic()
             if now - checked > MAIN_CHECK:  # a request waits: is the main process there to answer?
                 checked, stopped = now, self.main_stopped()
-                if table.room and not table.rows and self.rows_published():  # a checkpoint's table nodes
+                if table.room and self.rows_published():  # a checkpoint's table nodes (or its next generation)
                     row_base = table.row_base
             if stopped or busy[forwarded] - busy[answered] >= MAX_FORWARDED:
                 ready = False
@@ -340,22 +343,31 @@ class Server:
 
     def rows_published(self) -> bool:
         """Whether the main process published table nodes since (a checkpoint: its entry
-        table of a mount that started without one), now mapped here from its descriptors
-        (through /proc: the same user's process)."""
+        table of a mount that started without one, or a next generation of it, which has
+        the records before in their numbers), now mapped here from its descriptors
+        (through /proc: the same user's process) in place of the generation before. If
+        they cannot be mapped, the main process answers what this process cannot."""
         found = self.table.rows_published()
         if found is None or self.rows_from is None or self.main_pid is None:
             return False
+        gen, count, table_fd, data_fd = found
         fds = []
         try:
-            fds.append(os.open(f"/proc/{self.main_pid}/fd/{found[0]}", os.O_RDONLY | os.O_CLOEXEC))
-            fds.append(os.open(f"/proc/{self.main_pid}/fd/{found[1]}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
-            self.rows = self.rows_from(fds[0], fds[1])
-        except (OSError, ValueError) as exc:  # the main process answers those lookups
+            fds.append(os.open(f"/proc/{self.main_pid}/fd/{table_fd}", os.O_RDONLY | os.O_CLOEXEC))
+            fds.append(os.open(f"/proc/{self.main_pid}/fd/{data_fd}", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC))
+            rows = self.rows_from(fds[0], fds[1])
+        except (OSError, ValueError) as exc:
             for fd in fds:
                 os.close(fd)
-            self.table.rows = 0
+            self.table.rows_mapped(self.index, gen, 0)
             print(f"cachefs serving process {self.index}: the checkpoint's entry table: {exc}", file=sys.stderr)
             return False
+        if self.rows is not None and self._rows_fds:  # the generation before (its table unlinked:
+            self.rows.close()                         # its blocks are freed once no process maps it)
+            for fd in self._rows_fds:
+                os.close(fd)
+        self.rows, self._rows_fds = rows, fds
+        self.table.rows_mapped(self.index, gen, count)
         return True
 
     def row_theirs(self, nodeid: int) -> bool:

@@ -50,8 +50,9 @@ _LINE = 64                                 # each process's busy counter on a ca
 
 
 # A serving process's cache line in the table: u64 counters at these indices (the main
-# process writes ANSWERED, the serving process the others)
-BUSY, PENDING, REPORTS, FORWARDED, ANSWERED = 0, 1, 2, 3, 4
+# process writes ANSWERED, the serving process the others; MAPPED: the generation of
+# table nodes it maps)
+BUSY, PENDING, REPORTS, FORWARDED, ANSWERED, MAPPED = 0, 1, 2, 3, 4, 5
 F_OFD_SETLKW = 38         # (fcntl.F_OFD_SETLKW where Python has it; Linux 3.15)
 
 
@@ -142,22 +143,37 @@ class ServeTable:
         """(The main process) the `rows` records of a checkpoint's entry table are table
         nodes from now on: the serving processes open the table and the data directory
         through these descriptors of the main process's (rows_published), and answer them.
-        Once a mount: the ids of table nodes stay their records'."""
-        assert not self.rows and 0 < rows <= self.room
+        A next generation has more rows, the ones before it in their numbers: the ids of
+        table nodes stay their records'."""
+        assert self.rows <= rows <= self.room and rows > 0
         self.rows, self.rows_gen = rows, self.rows_gen + 1
         _ROWS.pack_into(self._map, _ROWS_AT, rows, 0, table_fd, data_fd)
         _SEQ.pack_into(self._map, _ROWS_AT + 8, self.rows_gen)  # the generation last
 
-    def rows_published(self) -> tuple[int, int] | None:
-        """(A serving process) the main process's descriptors of the table and the data
-        directory if it published table nodes since this process last looked (the count is
-        this table's `rows` from now on); else None. One read of shared memory."""
+    def rows_published(self) -> tuple[int, int, int, int] | None:
+        """(A serving process) (generation, rows, the main process's descriptors of the
+        table and of the data directory) if it published table nodes since this process
+        last looked; else None. One read of shared memory. The process takes them
+        (rows_mapped) once it has mapped the table."""
         gen = _SEQ.unpack_from(self._map, _ROWS_AT + 8)[0]  # the generation first: written last
         if gen == self.rows_gen or not gen:
             return None
         rows, _, table_fd, data_fd = _ROWS.unpack_from(self._map, _ROWS_AT)
-        self.rows, self.rows_gen = min(rows, self.room), gen
-        return table_fd, data_fd
+        return gen, min(rows, self.room), table_fd, data_fd
+
+    def rows_mapped(self, index: int, gen: int, rows: int) -> None:
+        """(Serving process `index`) it answers `rows` table nodes of generation `gen`
+        from now on (or, with `rows` 0, none: it could not map them, and does not try
+        that generation again)."""
+        self.rows_gen = gen
+        if rows:
+            self.rows = rows
+            self.set_line(index, MAPPED, gen)
+
+    def rows_everywhere(self, alive: list[bool]) -> bool:
+        """(The main process) whether every live serving process maps the newest table
+        nodes' generation (the tables before it are mapped nowhere then)."""
+        return all(self.line(k, MAPPED) >= self.rows_gen for k in range(self.processes) if alive[k])
 
     # -- table nodes (both sides) ---------------------------------------------------------
 

@@ -51,6 +51,7 @@ from cachefs.identity import Attr, BlockKey, EntryInfo
 from cachefs.policy import DEFAULT_POLICY, Policy
 from cachefs.stats import Stats
 from cachefs.tiers import index
+from cachefs.tiers.checkpoint import Checkpoints
 from cachefs.tiers.checks import Checks, Synced, mark_synced
 from cachefs.tiers.entry import Entry, allocated
 from cachefs.tiers.layout import replace_durably
@@ -77,7 +78,7 @@ def syncfs(path: str) -> None:
         os.close(fd)
 
 
-class DiskTier(FromTable, Checks, FileStore):
+class DiskTier(Checkpoints, FromTable, Checks, FileStore):
     name = "disk"
 
     def __init__(self, directory: str, capacity: int, stats: Stats | None = None,
@@ -111,11 +112,14 @@ class DiskTier(FromTable, Checks, FileStore):
         self._table_id = 0           # the entry table the index names (0: none)
         self._table_bytes = 0
         self._checkpoint: Table | None = None  # this mount's entry table, for table nodes (checkpoint)
-        self._checkpoint_bytes = 0
+        self._checkpoint_bytes = 0  # its size, and those of the ones before it still mapped
+        self._retired_bytes = 0
         self._stored_since_copy: list[tuple[str, bytes]] | None = None  # (during a checkpoint's write)
+        self.stored_since_checkpoint = 0  # files stored since the last checkpoint's copy
         s = self._stats
         s.gauge("disk.suspended", lambda: int(self.suspended))
         s.gauge("disk.used_bytes", self._volume)
+        s.gauge("disk.checkpoint_bytes", lambda: self._checkpoint_bytes)
         s.gauge("disk.capacity_bytes", lambda: self._capacity)
         s.gauge("disk.entries", lambda: len(self.policy))
         s.gauge("disk.files", self.files_held)
@@ -292,6 +296,7 @@ class DiskTier(FromTable, Checks, FileStore):
             line = index.entry_line(e.name, e.block_size, e.stored_at, e.attr, e.path) + line
             self._paths[e.path] = e.eid
             self._unpath(e.path, e.eid)  # a newer version of the path: a table's is not its newest
+            self.stored_since_checkpoint += 1
             if self._stored_since_copy is not None:
                 self._stored_since_copy.append((e.path, e.eid))
         self._append(line)

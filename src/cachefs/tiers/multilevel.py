@@ -442,11 +442,21 @@ class MultiLevelCache:
         after a clean stop; None if it did not (see DiskTier.entry_table)."""
         return self.disk.entry_table() if self.disk is not None else None
 
-    def checkpoint(self) -> tuple[int, int] | None:
+    def checkpoint(self, room: int | None = None) -> tuple[int, int] | None:
         """The NVMe tier's entries but those RAM holds too, as an entry table of this
-        mount's, for table nodes: (a new descriptor of it, records), or None (see
-        DiskTier.checkpoint)."""
-        return self.disk.checkpoint(skip=set(self.ram.entry_ids())) if self.disk is not None else None
+        mount's (or its next generation), for table nodes: (a new descriptor of it,
+        records), (-1, records) if nothing is new, or None (see DiskTier.checkpoint)."""
+        return self.disk.checkpoint(skip=set(self.ram.entry_ids()), room=room) if self.disk is not None else None
+
+    def checkpoint_released(self) -> None:
+        """No process maps a checkpoint older than the newest any more (its blocks are free)."""
+        if self.disk is not None:
+            self.disk.checkpoint_released()
+
+    @property
+    def stored_since_checkpoint(self) -> int:
+        """Files the NVMe tier stored since its last checkpoint (since the start if none)."""
+        return self.disk.stored_since_checkpoint if self.disk is not None else 0
 
     @property
     def disk_files(self) -> int:

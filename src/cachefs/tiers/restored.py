@@ -10,13 +10,12 @@ What is kept per record is one byte of state, so that 1.28 million restored file
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
 import threading
 import time
-from collections.abc import Callable, Container, Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, cast
 
 from cachefs.config import format_size
@@ -133,7 +132,7 @@ class Restored:
                     yield n, row, self.state[n] == TRUSTED
 
 
-def _row_of(e: Entry, now_ns: int) -> Row:
+def row_of(e: Entry, now_ns: int) -> Row:
     """An entry in memory as a table records it at `now_ns` (a clean stop's or a
     checkpoint's time): vouched for by an earlier stop's time while that stop still
     vouches for it, by `now_ns` if every block was written or checked since the start,
@@ -161,8 +160,6 @@ class FromTable:
         _table_id: int
         _table_bytes: int
         _checkpoint: Table | None
-        _checkpoint_bytes: int
-        _stored_since_copy: list[tuple[str, bytes]] | None
         on_unpathed: list[Callable[[int], None]]
         _unwritten: bytearray
         _log_bytes: int
@@ -224,7 +221,7 @@ class FromTable:
                 self._close_log()
                 return
             stop_ns = time.time_ns()
-            rows = [_row_of(e, stop_ns) for e in self._entries.values()]
+            rows = [row_of(e, stop_ns) for e in self._entries.values()]
             r = self._restored
             for _, row, trusted in r.rows() if r is not None else ():
                 rows.append(row._replace(synced_ns=stop_ns) if trusted else row)
@@ -345,66 +342,6 @@ class FromTable:
                 r.unpathed.add(n)
             for listener in self.on_unpathed:
                 listener(n)
-
-    # -- a checkpoint: the table of a mount that started without one ----------------------------
-
-    def checkpoint(self, skip: Container[bytes] = ()) -> tuple[int, int] | None:
-        """Write the entries held now as an entry table of their own, for the serving
-        processes' table nodes in a mount that started without a table (a first mount, or
-        one after a crash): (a new descriptor of it, records), or None if this start came
-        from a table, a checkpoint exists already, the tier lacks the room for it, or it
-        cannot be written. The index does not name it (the index's lines stay the record
-        of the tier; a clean stop writes its own table and removes this one, a start
-        removes it as any table the index does not name). Each entry written or checked
-        in this mount is vouched for by this checkpoint (`synced`: its file is checked at
-        its first open if it changed since, as after a clean stop). Its size counts in the
-        tier's budget. Entries in `skip` are left out. The entries are copied under the
-        tier's lock and written outside it: one dropped meanwhile is in the table, and its
-        node's first open finds no file and goes to the daemon."""
-        if self._restored is not None or self._checkpoint is not None or self.suspended:
-            return None
-        now = time.time_ns()
-        with self._lock:
-            held = list(self._entries.values())
-            self._stored_since_copy = []  # (the paths stored while it is written: see below)
-        found = None
-        try:
-            found = self._write_checkpoint([_row_of(e, now) for e in held if e.eid not in skip], now)
-        finally:
-            with self._lock:  # the newest of a path stored while it was written is not the table's
-                if found is not None:
-                    self._checkpoint = found
-                newer, self._stored_since_copy = self._stored_since_copy, None
-        if found is None:
-            return None
-        for p, eid in newer or ():
-            self._unpath(p, eid)
-        self._refresh_limits(force=True)
-        log.info("NVMe tier: checkpoint of %d files written (%s)", found.count, format_size(self._checkpoint_bytes))
-        return os.dup(found.fileno()), found.count
-
-    def _write_checkpoint(self, rows: list[Row], now: int) -> Table | None:
-        """checkpoint's table of `rows` (None if empty, without room or not written)."""
-        if not rows:
-            return None
-        rows.sort(key=lambda row: row.stored_at)
-        estimate = table.size_of(rows)
-        if self.policy.used + estimate > self.policy.capacity:  # (taken from the blocks' free room)
-            log.info("NVMe tier: no room for a checkpoint of its %d files (%s)", len(rows), format_size(estimate))
-            return None
-        table_id = random.getrandbits(63) + 1
-        path = self._table_path(table_id)
-        try:
-            size = table.write(path, rows, now, table_id)
-            found = Table(path, table_id)
-        except (OSError, ValueError) as exc:
-            log.warning("NVMe tier: the checkpoint could not be written (%s); the daemon answers the files "
-                        "it holds", exc)
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            return None
-        self._checkpoint_bytes = size
-        return found
 
     def _restored_row(self, path: str) -> tuple[int, Row] | None:
         """(record number, row) of the newest version of `path` if it is restored and cold."""

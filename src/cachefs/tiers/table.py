@@ -95,20 +95,33 @@ def _put(table: array[int], key: int, value: int) -> None:
     table[i] = value
 
 
-def size_of(rows: list[Row]) -> int:
+def size_of(rows: list[Row | None]) -> int:
     """About the bytes write() makes of `rows` (a budget's check before writing them)."""
-    heap = sum(len(row.path) + (9 * len(row.hashes) if len(row.hashes) > 1 else 0) for row in rows)
+    heap = sum(len(row.path) + (9 * len(row.hashes) if len(row.hashes) > 1 else 0) for row in rows if row is not None)
     return HEADER.size + len(rows) * RECORD.size + 8 * _buckets(len(rows)) + heap
 
 
-def write(path: str, rows: Iterable[Row], stop_ns: int, table_id: int) -> int:
+def _held(row: Row | None) -> bool:
+    return row is not None and any(h is not None for h in row.hashes)
+
+
+def _numbered(rows: list[Row | None], numbered: int) -> tuple[list[Row | None], dict[bytes, int]]:
+    """write's records: the first `numbered` rows where they are, then those with a block
+    held; and each path's newest record (the restore order is by stored_at)."""
+    rows = rows[:numbered] + [row for row in rows[numbered:] if _held(row)]
+    newest = {row.path.encode(FS_ENCODING, FS_ERRORS): n for n, row in enumerate(rows)
+              if row is not None and _held(row)}
+    return rows, newest
+
+
+def write(path: str, rows: Iterable[Row | None], stop_ns: int, table_id: int, numbered: int = 0) -> int:
     """Write the table of `rows` (already in restore order) to `path`: a temporary file,
-    fsync'd, renamed over. Returns its size."""
-    rows = [row for row in rows if any(h is not None for h in row.hashes)]  # (an entry being written)
+    fsync'd, renamed over. Returns its size. Rows with no block held (an entry being
+    written) are left out, but among the first `numbered`, which keep their numbers (a
+    checkpoint's next generation, see DiskTier.checkpoint): there such a row, or None,
+    is a record of zeros, which no lookup finds and no read passes."""
+    rows, newest = _numbered(list(rows), numbered)
     count = len(rows)
-    newest: dict[bytes, int] = {}  # path bytes -> its newest row (the restore order is by stored_at)
-    for n, row in enumerate(rows):
-        newest[row.path.encode(FS_ENCODING, FS_ERRORS)] = n
     buckets = _buckets(count)
     by_id = array("I", bytes(4 * buckets))  # (flat: a list of ints took ~36 bytes a bucket)
     by_path = array("I", bytes(4 * buckets))
@@ -118,6 +131,8 @@ def write(path: str, rows: Iterable[Row], stop_ns: int, table_id: int) -> int:
     view = memoryview(records)
     used = blocks = 0
     for n, row in enumerate(rows):
+        if row is None or not _held(row):
+            continue  # (a record of zeros: its CRC fails, and no bucket leads to it)
         pb = row.path.encode(FS_ENCODING, FS_ERRORS)
         path_off = heap_at + len(heap)
         heap += pb

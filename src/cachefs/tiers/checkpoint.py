@@ -1,0 +1,165 @@
+"""A checkpoint: the NVMe tier's entries written as an entry table (cachefs/tiers/table.py)
+in a mount that started without one, for the serving processes' table nodes (a record's
+number is its node's id, less the serving table's base; cachefs/tablenodes.py).
+
+Generations. A mount checkpoints again when it cached many files since (a cold epoch that
+paused, another dataset): the next table keeps every record of the one before in its
+number (the kernel may hold any of their node ids), written from the entry in memory
+where the tier still holds it and copied from the old table where it does not (a dropped
+entry's node is the daemon's already, but a request for it may still come), and appends
+the files cached since, oldest first. The old table is unlinked at once; its blocks stay
+counted in the budget until every serving process has mapped the new one
+(`checkpoint_released`), since their mappings hold them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import threading
+import time
+from collections.abc import Container
+from typing import TYPE_CHECKING
+
+from cachefs.config import format_size
+from cachefs.policy import Policy
+from cachefs.tiers import table
+from cachefs.tiers.entry import Entry
+from cachefs.tiers.restored import Restored, row_of
+from cachefs.tiers.table import Row, Table
+
+log = logging.getLogger(__name__)
+
+
+class Checkpoints:
+    """DiskTier's checkpoints (see the module docstring)."""
+
+    if TYPE_CHECKING:  # what it uses of DiskTier
+        _lock: threading.RLock
+        _entries: dict[bytes, Entry]
+        _restored: Restored | None
+        _checkpoint: Table | None
+        _checkpoint_bytes: int
+        _retired_bytes: int
+        _stored_since_copy: list[tuple[str, bytes]] | None
+        stored_since_checkpoint: int
+        policy: Policy
+
+        def _table_path(self, table_id: int) -> str: ...
+
+        def _unpath(self, path: str, eid: bytes) -> None: ...
+
+        def _refresh_limits(self, incoming: int = 0, force: bool = False) -> None: ...
+
+        @property
+        def suspended(self) -> bool: ...
+
+    def checkpoint(self, skip: Container[bytes] = (), room: int | None = None) -> tuple[int, int] | None:
+        """Write the entries held now as an entry table of their own, for the serving
+        processes' table nodes in a mount that started without a table (a first mount, or
+        one after a crash), or its next generation (see the module docstring): (a new
+        descriptor of it, records); (-1, the records of the one before) if no file is new
+        since (none, or RAM holds them); None if this start came from a table, the tier
+        lacks the room for it, it would have more than `room` records, or it cannot be
+        written. The index does not name it (the index's lines stay the record of the
+        tier; a clean stop writes its own table and removes this one, a start removes it
+        as any table the index does not name). Each entry written or checked in this
+        mount is vouched for by this checkpoint (`synced`: its file is checked at its first
+        open if it changed since, as after a clean stop). Its size counts in the tier's
+        budget. Entries in `skip` (RAM's) are left out, unless the table before had them.
+        The entries are copied under the tier's lock and written outside it: one dropped
+        meanwhile is in the table, and its node's first open finds no file and goes to
+        the daemon; the record of a path stored meanwhile is retired (on_unpathed)."""
+        if self._restored is not None or self.suspended:
+            return None
+        now = time.time_ns()
+        with self._lock:
+            held = dict(self._entries)
+            self._stored_since_copy = []  # (the paths stored while it is written: see below)
+            since, self.stored_since_checkpoint = self.stored_since_checkpoint, 0
+        old = self._checkpoint
+        found = None
+        rows: list[Row | None] = []
+        kept = 0
+        try:
+            rows = self._rows_kept(old, held, now)
+            kept = len(rows)
+            new = [row_of(e, now) for e in held.values() if e.eid not in skip and e.present]
+            new.sort(key=lambda row: row.stored_at)
+            rows += new
+            if room is not None and len(rows) > room:
+                log.info("NVMe tier: a checkpoint of %d files is more than the serving table has room for",
+                         len(rows))
+            elif len(rows) > kept:
+                found = self._write_checkpoint(rows, now, kept)
+        finally:
+            with self._lock:  # the newest of a path stored while it was written is not the table's
+                if found is not None:
+                    self._checkpoint = found[0]
+                    if old is not None:  # mapped by the serving processes until they take the new one
+                        self._retired_bytes += old.size
+                    self._checkpoint_bytes = found[1] + self._retired_bytes
+                elif len(rows) > kept:  # (not written: those files are still to be)
+                    self.stored_since_checkpoint += since
+                newer, self._stored_since_copy = self._stored_since_copy, None
+        if found is None:
+            return (-1, kept) if len(rows) == kept else None
+        self._taken_over(found[0], old, newer or [])
+        return os.dup(found[0].fileno()), found[0].count
+
+    def _taken_over(self, t: Table, old: Table | None, newer: list[tuple[str, bytes]]) -> None:
+        """Checkpoint `t` stands for the tier now: the one before it (`old`) goes from the
+        disk (its blocks once no serving process maps it), and the records of the paths
+        stored `newer` while it was written are retired."""
+        if old is not None:
+            old.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self._table_path(old.table_id))
+        for p, eid in newer:
+            self._unpath(p, eid)
+        self._refresh_limits(force=True)
+        log.info("NVMe tier: checkpoint of %d files written (%s)%s", t.count, format_size(t.size),
+                 f", {t.count - old.count} after the {old.count} of the one before" if old is not None else "")
+
+    @staticmethod
+    def _rows_kept(old: Table | None, held: dict[bytes, Entry], now: int) -> list[Row | None]:
+        """The records of the table before, in their numbers: each from the entry in memory
+        (taken off `held`) where the tier holds it, else as that table has it (None where
+        its record fails its CRC)."""
+        if old is None:
+            return []
+        rows: list[Row | None] = []
+        for n in range(old.count):
+            e = held.pop(old.eid_of(n), None)
+            rows.append(row_of(e, now) if e is not None else old.row(n))
+        return rows
+
+    def _write_checkpoint(self, rows: list[Row | None], now: int, kept: int) -> tuple[Table, int] | None:
+        """checkpoint's table of `rows`, the first `kept` in their numbers, and its size
+        (None if it lacks the room, or is not written)."""
+        estimate = table.size_of(rows)
+        if self.policy.used + estimate > self.policy.capacity:  # (taken from the blocks' free room)
+            log.info("NVMe tier: no room for a checkpoint of its %d files (%s)", len(rows), format_size(estimate))
+            return None
+        table_id = random.getrandbits(63) + 1
+        path = self._table_path(table_id)
+        try:
+            size = table.write(path, rows, now, table_id, numbered=kept)
+            found = Table(path, table_id)
+        except (OSError, ValueError) as exc:
+            log.warning("NVMe tier: the checkpoint could not be written (%s); the daemon answers the files "
+                        "it holds", exc)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
+        return found, size
+
+    def checkpoint_released(self) -> None:
+        """Every serving process has mapped the newest checkpoint: the tables before it are
+        gone from the disk, and from the budget."""
+        with self._lock:
+            self._checkpoint_bytes -= self._retired_bytes
+            self._retired_bytes = 0
+        self._refresh_limits(force=True)
