@@ -170,11 +170,8 @@ class Policy:
                     self.miss()
                     continue
                 entry = entries[key]
-            self._tick = tick = self._tick + 1
-            self._window_hits += 1
-            self._window_accesses += 1
-            if self._window_accesses >= self._window_length:
-                self._end_window()
+            self._access(1)
+            tick = self._tick
             reuse = tick - entry[1]
             entries[key] = (entry[0], tick, now)
             entries.move_to_end(key)

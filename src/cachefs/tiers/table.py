@@ -35,7 +35,7 @@ import sys
 import zlib
 from array import array
 from collections.abc import Iterable, Iterator
-from typing import NamedTuple
+from typing import NamedTuple, TypeGuard
 
 import xxhash
 
@@ -101,7 +101,8 @@ def size_of(rows: list[Row | None]) -> int:
     return HEADER.size + len(rows) * RECORD.size + 8 * _buckets(len(rows)) + heap
 
 
-def _held(row: Row | None) -> bool:
+def _held(row: Row | None) -> TypeGuard[Row]:
+    """Whether `row` is an entry with a block held (not a placeholder, nor one being written)."""
     return row is not None and any(h is not None for h in row.hashes)
 
 
@@ -109,8 +110,7 @@ def _numbered(rows: list[Row | None], numbered: int) -> tuple[list[Row | None], 
     """write's records: the first `numbered` rows where they are, then those with a block
     held; and each path's newest record (the restore order is by stored_at)."""
     rows = rows[:numbered] + [row for row in rows[numbered:] if _held(row)]
-    newest = {row.path.encode(FS_ENCODING, FS_ERRORS): n for n, row in enumerate(rows)
-              if row is not None and _held(row)}
+    newest = {row.path.encode(FS_ENCODING, FS_ERRORS): n for n, row in enumerate(rows) if _held(row)}
     return rows, newest
 
 
@@ -131,7 +131,7 @@ def write(path: str, rows: Iterable[Row | None], stop_ns: int, table_id: int, nu
     view = memoryview(records)
     used = blocks = 0
     for n, row in enumerate(rows):
-        if row is None or not _held(row):
+        if not _held(row):
             continue  # (a record of zeros: its CRC fails, and no bucket leads to it)
         pb = row.path.encode(FS_ENCODING, FS_ERRORS)
         path_off = heap_at + len(heap)
