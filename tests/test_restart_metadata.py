@@ -148,3 +148,36 @@ def test_a_first_mount_answers_lookups_the_attributes_cache_let_go_from_the_inde
     assert source.calls["stat"] == before + 1
     assert core.read("/d/f3", 0, 100) == b"rewritten"
     core.close()
+
+
+def test_past_the_ttl_a_file_found_unchanged_is_trusted_for_another(tmp_path):
+    """Past --metadata-ttl a cached file's lookup asks the source; an answer that is the
+    cached version renews it (once the attributes cache let it go, the index answers for
+    another TTL, not a stat each lookup) and tells the file system (KernelHooks
+    .on_confirmed: its table node is renewed for the serving processes). A file found
+    changed is neither."""
+    source = MemorySource()
+    for name, data in FILES.items():
+        source.add_file(name, data)
+    ttl = 2.0
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False), block_size=BS,
+                     metadata_entries=8, metadata_ttl=ttl)
+    confirmed: set[tuple[str, int]] = set()
+    core.hooks.connect(on_confirmed=lambda path, a: confirmed.add((path, a.size)))
+    for name, data in FILES.items():
+        assert core.read(name, 0, len(data)) == data
+    assert not confirmed  # (fetched: nothing to confirm)
+    source.add_file("/d/f3", b"rewritten")
+    time.sleep(ttl + 0.1)
+    before = source.calls["stat"]
+    for name, data in FILES.items():
+        assert core.getattr(name).size == (len(b"rewritten") if name == "/d/f3" else len(data))
+    asked = source.calls["stat"] - before
+    assert asked >= 1  # (the directory's listing with attributes, set off by the first, may answer the rest)
+    assert confirmed == {(name, len(data)) for name, data in FILES.items() if name != "/d/f3"}
+    for _ in range(2):  # 19 files through a cache of 8: each is let go before it comes again
+        for name, data in FILES.items():
+            if name != "/d/f3":
+                assert core.getattr(name).size == len(data)
+    assert source.calls["stat"] - before == asked
+    core.close()

@@ -855,6 +855,17 @@ def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
             assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
         k.send(p.LOOKUP, 8, b"a.jpg\0")
         assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
+        # past the TTL until the main process finds the file unchanged on the source (a stat,
+        # its directory's listing): then for a TTL from that check; an older check is none
+        t.confirm_row(1, now - 3601)
+        k.send(p.LOOKUP, 7, b"old.jpg\0")
+        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
+        t.confirm_row(1, time.time())
+        t.confirm_row(1, now - 3601)  # (a later call with an older time keeps the newer)
+        u = k.send(p.LOOKUP, 7, b"old.jpg\0")
+        assert k.reply()[1:] == (0, p.pack_entry_of(base + 1, 520, 0o100444, 1, 0, 0, 20, 1, 2, 3, 8, 0, (3600, 0)))
+        u = k.send(p.GETATTR, base + 1, p.GETATTR_IN.pack(0, 0, 0))
+        assert k.reply()[:2] == (u, 0)
         for n in (3, 5):  # (its lookup is answered: the open finds what is wrong)
             u = k.send(p.LOOKUP, 7, rows[n].path.rsplit("/", 1)[1].encode() + b"\0")
             assert k.reply()[:2] == (u, 0)
@@ -914,7 +925,7 @@ def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
         counts, opened = decode_report(memoryview(report)[4:])
         assert list(opened) == [base | REGISTERED, base, base, (base + 6) | REGISTERED, base + 6,
                                 (base + 6) | REGISTERED, base + 6, base + 4]
-        assert counts["lookup"][0] == 6 and counts["open"][0] == 5 and counts["forget"][0] == 1
+        assert counts["lookup"][0] == 7 and counts["open"][0] == 5 and counts["forget"][0] == 1
         assert counts["release"][0] == 2
         assert t.lookups(0)[base] == 0
     finally:

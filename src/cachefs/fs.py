@@ -155,7 +155,7 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         self._ahead_thread: threading.Thread | None = None
         self._ahead_stopped = False
         self._init_table_nodes()
-        core.hooks.connect(on_source_changed=self._source_changed)
+        core.hooks.connect(on_source_changed=self._source_changed, on_confirmed=self._row_confirmed)
 
     def _out_of_descriptors(self, exc: OSError) -> None:
         given = trim_descriptors()

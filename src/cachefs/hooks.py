@@ -3,7 +3,8 @@
 The core is built before the mount exists; three things are only known after it: how to
 hand a request's thread back while it waits on the source (the session's `blocking`),
 how to make the kernel forget a name whose file changed (`on_source_changed`), and
-whether opens are passed through (`passthrough`). The daemon builds one KernelHooks, gives
+whether opens are passed through (`passthrough`); and the file system hears of a cached
+file found unchanged on the source (`on_confirmed`: its table node renewed). The daemon builds one KernelHooks, gives
 it to the core and to the file system, and the file system calls `connect` at INIT. Until
 then (and with no mount at all: the unit tests, tools) the defaults hold.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+
+from cachefs.identity import Attr
 
 
 class KernelHooks:
@@ -25,12 +28,18 @@ class KernelHooks:
         # Called with a path whose cached identity turned out wrong, instead of the core's
         # own invalidate (None): the file system forgets it and has the kernel look it up again.
         self.on_source_changed: Callable[[str], None] | None = None
+        # Called with a path and its attributes on the source, when they are found to be the
+        # newest cached version's (the index's entry known good as of now)
+        self.on_confirmed: Callable[[str, Attr], None] | None = None
 
     def connect(self, blocking: Callable[[], AbstractContextManager[None]] | None = None,
-                on_source_changed: Callable[[str], None] | None = None, passthrough: bool | None = None) -> None:
+                on_source_changed: Callable[[str], None] | None = None, passthrough: bool | None = None,
+                on_confirmed: Callable[[str, Attr], None] | None = None) -> None:
         if blocking is not None:
             self.blocking = blocking
         if on_source_changed is not None:
             self.on_source_changed = on_source_changed
+        if on_confirmed is not None:
+            self.on_confirmed = on_confirmed
         if passthrough is not None:
             self.passthrough = passthrough

@@ -15,7 +15,6 @@ import os
 import stat as stat_mod
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from queue import SimpleQueue
@@ -36,58 +35,10 @@ from cachefs.listings import ListingStore
 from cachefs.source import Source
 from cachefs.stats import Stats
 from cachefs.tiers.multilevel import MultiLevelCache
+from cachefs.ttlcache import TTLCache
 
 _NO_XATTRS: dict[str, bytes | None] = {}  # never written to: no name is in it
 CHECK_WAIT = 30.0  # s: at most, a listing waits for another thread's check of its directory
-
-
-class _TTLCache:
-    """A bounded map of path -> (expiry, value), the oldest stored dropped first. Values may
-    be an errno (negative entry)."""
-
-    def __init__(self, max_entries: int, clock: Callable[[], float]):
-        self._data: OrderedDict[str, tuple[float, object]] = OrderedDict()
-        self._max = max_entries
-        self._clock = clock
-        self._lock = threading.Lock()
-
-    def get(self, key: str) -> object | None:
-        # No lock and no reordering: a lookup is a dict read (atomic), and the entries are
-        # dropped oldest-stored first (put moves an entry to the end).
-        hit = self._data.get(key)
-        if hit is None or hit[0] < self._clock():
-            return None  # an expired entry stays, for get_stale, until pushed out
-        return hit[1]
-
-    def get_stale(self, key: str) -> object | None:
-        """The entry even if expired: what to serve while the source does not answer."""
-        with self._lock:
-            hit = self._data.get(key)
-            return None if hit is None else hit[1]
-
-    def put(self, key: str, value: object, ttl: float) -> None:
-        if ttl <= 0:
-            return
-        with self._lock:
-            self._data[key] = (self._clock() + ttl, value)
-            self._data.move_to_end(key)
-            while len(self._data) > self._max:
-                self._data.popitem(last=False)
-
-    def expiry(self, key: str) -> tuple[object, float] | None:
-        """The entry's value and when it expires (the clock's time), if it is there, not
-        expired, and not a negative entry."""
-        hit = self._data.get(key)
-        if hit is None or hit[0] < self._clock() or isinstance(hit[1], int):
-            return None
-        return hit[1], hit[0]
-
-    def pop(self, key: str) -> None:
-        with self._lock:
-            self._data.pop(key, None)
-
-    def __len__(self) -> int:
-        return len(self._data)
 
 
 class Metadata:
@@ -105,9 +56,9 @@ class Metadata:
         self.block_size = block_size
         self.metadata_ttl = metadata_ttl
         self.negative_ttl = negative_ttl
-        self._attrs = _TTLCache(max_entries, clock)
-        self._dirs = _TTLCache(max(1, max_entries // 10), clock)
-        self._xattr_cache = _TTLCache(max_entries, clock)
+        self._attrs = TTLCache(max_entries, clock)
+        self._dirs = TTLCache(max(1, max_entries // 10), clock)
+        self._xattr_cache = TTLCache(max_entries, clock)
         # --allow-other: modes are cut down to what POSIX ACLs grant (see _with_acl)
         self.check_acls = check_acls
         # Listings and attributes ahead (cachefs/listahead.py), and the attributes
@@ -351,12 +302,26 @@ class Metadata:
     def _learned(self, path: str, attr: Attr) -> None:
         """Attributes just read from the source, into the cache for the TTL. A cached
         version of the file the index holds that they do not match is outdated: the index
-        answers no lookup with it once the cache lets these go (see _indexed)."""
+        answers no lookup with it once the cache lets these go (see _indexed); one they
+        match is confirmed."""
         self._attrs.put(path, attr, self.metadata_ttl)
         if self._index_answers and not attr.is_dir:
             known = self._cache.indexed_attr(path)
-            if known is not None and not FileId.of(path, known[0]).matches(attr):
+            if known is None:
+                return
+            if FileId.of(path, known[0]).matches(attr):
+                self._confirm(path, attr)
+            else:
                 self._cache.outdated(path)
+
+    def _confirm(self, path: str, attr: Attr) -> None:
+        """The source has the newest cached version of `path` (as `attr`): the index's
+        entry is known good as of now, and so is its table node, if the serving processes
+        answer one (KernelHooks.on_confirmed): a job past --metadata-ttl has each file
+        checked once a TTL, not each lookup of it sent to the daemon."""
+        self._cache.confirm(path)
+        if self._hooks.on_confirmed is not None:
+            self._hooks.on_confirmed(path, attr)
 
     def _indexed(self, path: str) -> Attr | None:
         """A lookup answered from the NVMe tier's index (see __init__), or None."""
@@ -451,7 +416,7 @@ class Metadata:
             if known is None:
                 continue
             if FileId.of(prefix + name, known[0]).matches(attr):
-                self._cache.confirm(prefix + name)
+                self._confirm(prefix + name, attr)
             elif name in answered:
                 self.stats.incr("metadata.index_stale")
                 self._on_changed(prefix + name)  # the kernel may hold the old attributes
@@ -482,7 +447,7 @@ class Metadata:
             except OSError:
                 pass  # the job's own lookups see the error
 
-    def _stale(self, cache: _TTLCache, path: str, exc: OSError) -> object:
+    def _stale(self, cache: TTLCache, path: str, exc: OSError) -> object:
         """While the source does not answer, expired metadata is better than none: the
         files it names may be cached in full. Re-raises `exc` otherwise."""
         if exc.errno in SOURCE_DOWN:

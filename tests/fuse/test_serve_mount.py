@@ -426,6 +426,49 @@ def test_a_file_changed_on_the_source_after_a_remount_is_seen_once_its_table_nod
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
+def test_past_the_metadata_ttl_table_nodes_are_the_serving_processes_again_once_checked(tmp_path, mounts):
+    """A table node's attributes are good for --metadata-ttl after the file was fetched or
+    last found unchanged on the source. Past it, the epoch's lookups go to the daemon,
+    which checks each file (a stat, or its directory's listing) and renews the node: the
+    next epoch's lookups are the serving processes' again, though there are more files
+    than the names the daemon may publish. The bytes are the source's."""
+    src = tmp_path / "src"
+    data = {}
+    for d in range(2):
+        (src / f"c{d}").mkdir(parents=True)
+        for i in range(30):
+            data[f"c{d}/{i:02d}.jpg"] = os.urandom(20_000 + i)
+            (src / f"c{d}/{i:02d}.jpg").write_bytes(data[f"c{d}/{i:02d}.jpg"])
+    ttl = 8
+    args = ("--ram-size", "0", "--readahead", "off", "--serve-processes", "1", "--backing-files", "16",
+            "--metadata-ttl", str(ttl))  # (the names' limit: 16, of 60 files)
+    mp = passthrough_mount(mounts, src, *args)
+    epoch(mp, data, 1)  # into NVMe
+    mounts.unmount(mp)
+    mp = passthrough_mount(mounts, src, *args)
+    epoch(mp, data, 2)  # table nodes
+    time.sleep(ttl + 1)  # past the TTL of the fetch and of the directories' checks at the remount
+
+    def forwarded(seed):
+        with open("/proc/sys/vm/drop_caches", "w") as f:  # every file looked up again
+            f.write("3\n")
+        before = settled(mp)
+        epoch(mp, data, seed)
+        after = stats(mp)
+        assert after["fuse"].get("errors", 0) == 0
+        assert after["disk"]["hits"] - before["disk"]["hits"] == len(data)
+        stats_queries = after["fuse"]["getxattr"] - before["fuse"]["getxattr"]  # (stats() is read from an xattr)
+        return after["serve"]["forwarded"] - before["serve"]["forwarded"] - stats_queries
+
+    # past the TTL: lookups go to the daemon until their directory's check (which the
+    # first sets off) renews its files, in this epoch already; without the renewal, every
+    # lookup of this epoch and the next
+    assert forwarded(3) >= 1
+    assert forwarded(4) <= 5  # the directories' lookups
+    assert stats(mp)["serve"].get("table_nodes_taken", 0) == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="dropping the page cache needs root")
 def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_processes(tmp_path, mounts):
     """In a mount that started without an entry table, once the NVMe tier holds more files
     than --backing-files and stops growing, its entries are written as a table (a

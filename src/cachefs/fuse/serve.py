@@ -293,13 +293,16 @@ class Server:
     def row_entry(self, n: int) -> bytes | None:
         """The packed entry_out of table node n: while the main process has not taken its name,
         its record is whole (CRC), of a regular file the NVMe tier held whole at a clean
-        stop, and its attributes are within --metadata-ttl of when they were stored (as the
-        main process answers from the index, see metadata.py)."""
+        stop, and its attributes are within --metadata-ttl of when they were stored or of
+        when the main process last found them on the source (as it answers from the index,
+        see metadata.py)."""
         if self.rows is None or not 0 <= n < self.table.rows or self.table.row_state[n] == ROW_TAKEN:
             return None
         f = self.rows.record(n)
-        if f is None or not f[2] or f[1] + self.ttl <= time.time():
+        if f is None or not f[2]:
             return None
+        if f[1] + self.ttl <= time.time() and self.table.confirmed[n] + self.ttl <= time.time():
+            return None  # due for a check on the source, and not confirmed since (confirm_row)
         mode, nlink, uid, gid, size, atime, mtime, ctime, blocks, rdev, ino = f[11:22]
         if not stat_mod.S_ISREG(mode):
             return None

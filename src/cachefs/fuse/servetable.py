@@ -5,7 +5,8 @@ One memory file (memfd) holds per node a backing id (0: ask the main process) an
 names' hash buckets, per serving process a busy counter and a count of open handles and of
 lookups per node (a release or a forget may come to any process, so a column may go
 negative; the sum is what counts), and per table node (a record of the NVMe tier's entry
-table, after a start from it) a state byte and a lock. The main process unpublishes a node
+table, after a start from it) a state byte, a lock and when the main process last found
+its file unchanged on the source. The main process unpublishes a node
 or a name by clearing its slot or record, then waits until every serving process has been
 idle or finished a request since (`quiesce`), then folds the columns' counts into its own.
 """
@@ -21,7 +22,7 @@ from typing import NamedTuple
 
 import xxhash
 
-_MAGIC = b"cfsserv4"
+_MAGIC = b"cfsserv5"
 # magic, capacity, processes, buckets, row base, room for table nodes, table nodes, their
 # generation (1: the table nodes of a start's table or of a checkpoint; 0: none yet), the
 # table's and the data directory's descriptors in the main process (a checkpoint's: the
@@ -72,9 +73,11 @@ class ServeTable:
     docstring). Layout: a header line, one cache line per process (its busy counter,
     requests answered but not reported yet, reports sent...), then per node id a u32
     backing id, per serving process an i32 open count and an i64 lookup count per node,
-    the names' hash buckets (u64 key, u64 node id), and a RECORD per node (its published
-    name and entry). The file is sparse: pages are touched only for the node ids in use
-    (they are given out densely, see Nodes.recycle) and the buckets' pages."""
+    the names' hash buckets (u64 key, u64 node id), a RECORD per node (its published
+    name and entry), then per table node its state byte and (8-byte aligned) a u32 of
+    when its file was last confirmed on the source (confirm_row). The file is sparse:
+    pages are touched only for the node ids in use (they are given out densely, see
+    Nodes.recycle) and the buckets' pages."""
 
     def __init__(self, fd: int, capacity: int, processes: int, buckets: int, row_base: int = 0, rows: int = 0,
                  room: int = 0):
@@ -99,6 +102,8 @@ class ServeTable:
         self.records = view[base:base + RECORD * capacity]
         base += RECORD * capacity
         self.row_state = view[base:base + room]  # per table node: ROW_FREE or ROW_TAKEN
+        base += _aligned(room)
+        self.confirmed = view[base:base + 4 * room].cast("I")  # per table node: see confirm_row
         self._live = 0  # names in the buckets (the main process's count)
         # This process's own open file description of the table: the rows' locks (fcntl
         # OFD locks) are held per description, and an inherited descriptor shares one
@@ -107,7 +112,7 @@ class ServeTable:
     @staticmethod
     def size(capacity: int, processes: int, buckets: int, room: int = 0) -> int:
         return (_LINE * (1 + processes) + 4 * capacity * (1 + processes) + 8 * capacity * processes
-                + 16 * buckets + RECORD * capacity + room)
+                + 16 * buckets + RECORD * capacity + _aligned(room) + 4 * room)
 
     @classmethod
     def create(cls, capacity: int, processes: int, names: int = 0, rows: int = 0, room: int = 0) -> ServeTable:
@@ -189,6 +194,15 @@ class ServeTable:
         two make the kernel fail an open (EIO)."""
         fcntl.fcntl(self._lock_fd, F_OFD_SETLKW,
                     _FLOCK.pack(fcntl.F_WRLCK if lock else fcntl.F_UNLCK, os.SEEK_SET, _LOCK_AT + n, 1, 0))
+
+    def confirm_row(self, n: int, when: float) -> None:
+        """(The main process) table node n's file was found on the source as its record
+        has it at wall time `when` (a second, rounded down): the serving processes answer
+        it for --metadata-ttl from then, as from when the record was stored
+        (Server.row_entry). One aligned store, read without a lock; the record never
+        changes under its number (a checkpoint's next generation keeps it there)."""
+        if 0 <= n < self.room:
+            self.confirmed[n] = max(self.confirmed[n], min(int(when), 0xFFFFFFFF))
 
     def take_row(self, n: int, named: bool = False) -> int:
         """The main process takes table node n's opens (`named`: its lookups, getattrs and
@@ -477,7 +491,8 @@ class ServeTable:
     def close(self) -> None:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
-        for v in (self.busy, self.slots, self.bucket, self.records, self.row_state, *self._counts, *self._lookups):
+        for v in (self.busy, self.slots, self.bucket, self.records, self.row_state, self.confirmed, *self._counts,
+                  *self._lookups):
             v.release()
         self._counts, self._lookups = [], []
         try:
@@ -485,6 +500,10 @@ class ServeTable:
         except BufferError:
             pass
         os.close(self.fd)
+
+
+def _aligned(size: int) -> int:
+    return (size + 7) & ~7
 
 
 def name_key(parent: int, name: bytes) -> int:

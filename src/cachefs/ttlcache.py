@@ -1,0 +1,57 @@
+"""A bounded TTL cache of path -> value: the daemon's attributes, listings and extended
+attributes (cachefs/metadata.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+
+class TTLCache:
+    """A bounded map of path -> (expiry, value), the oldest stored dropped first. Values may
+    be an errno (negative entry)."""
+
+    def __init__(self, max_entries: int, clock: Callable[[], float]):
+        self._data: OrderedDict[str, tuple[float, object]] = OrderedDict()
+        self._max = max_entries
+        self._clock = clock
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> object | None:
+        # No lock and no reordering: a lookup is a dict read (atomic), and the entries are
+        # dropped oldest-stored first (put moves an entry to the end).
+        hit = self._data.get(key)
+        if hit is None or hit[0] < self._clock():
+            return None  # an expired entry stays, for get_stale, until pushed out
+        return hit[1]
+
+    def get_stale(self, key: str) -> object | None:
+        """The entry even if expired: what to serve while the source does not answer."""
+        with self._lock:
+            hit = self._data.get(key)
+            return None if hit is None else hit[1]
+
+    def put(self, key: str, value: object, ttl: float) -> None:
+        if ttl <= 0:
+            return
+        with self._lock:
+            self._data[key] = (self._clock() + ttl, value)
+            self._data.move_to_end(key)
+            while len(self._data) > self._max:
+                self._data.popitem(last=False)
+
+    def expiry(self, key: str) -> tuple[object, float] | None:
+        """The entry's value and when it expires (the clock's time), if it is there, not
+        expired, and not a negative entry."""
+        hit = self._data.get(key)
+        if hit is None or hit[0] < self._clock() or isinstance(hit[1], int):
+            return None
+        return hit[1], hit[0]
+
+    def pop(self, key: str) -> None:
+        with self._lock:
+            self._data.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._data)
