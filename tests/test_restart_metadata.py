@@ -152,21 +152,16 @@ def test_a_first_mount_answers_lookups_the_attributes_cache_let_go_from_the_inde
 
 def test_past_the_ttl_a_file_found_unchanged_is_trusted_for_another(tmp_path):
     """Past --metadata-ttl a cached file's lookup asks the source; an answer that is the
-    cached version renews it (once the attributes cache let it go, the index answers for
-    another TTL, not a stat each lookup) and tells the file system (KernelHooks
-    .on_confirmed: its table node is renewed for the serving processes). A file found
-    changed is neither."""
+    cached version renews it: once the attributes cache let it go, the index answers for
+    another TTL, not a stat each lookup. A file found changed is not."""
     source = MemorySource()
     for name, data in FILES.items():
         source.add_file(name, data)
     ttl = 2.0
     core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False), block_size=BS,
                      metadata_entries=8, metadata_ttl=ttl)
-    confirmed: set[tuple[str, int]] = set()
-    core.hooks.connect(on_confirmed=lambda path, a: confirmed.add((path, a.size)))
     for name, data in FILES.items():
         assert core.read(name, 0, len(data)) == data
-    assert not confirmed  # (fetched: nothing to confirm)
     source.add_file("/d/f3", b"rewritten")
     time.sleep(ttl + 0.1)
     before = source.calls["stat"]
@@ -174,10 +169,34 @@ def test_past_the_ttl_a_file_found_unchanged_is_trusted_for_another(tmp_path):
         assert core.getattr(name).size == (len(b"rewritten") if name == "/d/f3" else len(data))
     asked = source.calls["stat"] - before
     assert asked >= 1  # (the directory's listing with attributes, set off by the first, may answer the rest)
-    assert confirmed == {(name, len(data)) for name, data in FILES.items() if name != "/d/f3"}
     for _ in range(2):  # 19 files through a cache of 8: each is let go before it comes again
         for name, data in FILES.items():
             if name != "/d/f3":
                 assert core.getattr(name).size == len(data)
     assert source.calls["stat"] - before == asked
+    assert core.getattr("/d/f3").size == len(b"rewritten")
+    core.close()
+
+
+def test_after_a_restart_each_file_found_unchanged_renews_its_table_record(tmp_path):
+    """After a start from the entry table, a file the source still has as cached (found by
+    its directory's check, or by a stat past the TTL) is told to the file system by its
+    record's number (KernelHooks.on_confirmed: the serving processes answer its table
+    node for another TTL); a file changed or gone is not."""
+    source = MemorySource()
+    core = _restarted(tmp_path, source, FILES, metadata_ttl=2.0)
+    confirmed: list[int] = []
+    core.hooks.connect(on_confirmed=confirmed.append)
+    source.add_file("/d/f3", b"rewritten")
+    source.remove("/d/f4")
+    core.getattr("/d/f0")  # from the index; the directory's check follows
+    _checked(core, "/d")
+    unchanged = sorted(name for name in FILES if name not in ("/d/f3", "/d/f4"))
+    assert sorted(core.cache.table_file(n).path for n in confirmed) == unchanged  # type: ignore[union-attr]
+    assert all(core.cache.table_record_of(core.cache.table_file(n).path) == n for n in confirmed)  # type: ignore[union-attr]
+    time.sleep(2.1)
+    confirmed.clear()
+    core.metadata.invalidate("/d/f1")
+    assert core.getattr("/d/f1").size == len(FILES["/d/f1"])  # past the TTL: a stat
+    assert confirmed[:1] == [core.cache.table_record_of("/d/f1")]
     core.close()

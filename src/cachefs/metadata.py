@@ -310,18 +310,18 @@ class Metadata:
             if known is None:
                 return
             if FileId.of(path, known[0]).matches(attr):
-                self._confirm(path, attr)
+                self._confirm(path)
             else:
                 self._cache.outdated(path)
 
-    def _confirm(self, path: str, attr: Attr) -> None:
-        """The source has the newest cached version of `path` (as `attr`): the index's
-        entry is known good as of now, and so is its table node, if the serving processes
-        answer one (KernelHooks.on_confirmed): a job past --metadata-ttl has each file
-        checked once a TTL, not each lookup of it sent to the daemon."""
-        self._cache.confirm(path)
-        if self._hooks.on_confirmed is not None:
-            self._hooks.on_confirmed(path, attr)
+    def _confirm(self, path: str) -> None:
+        """The source has the newest cached version of `path`: the index's entry is known
+        good as of now, and so is its table node, if the serving processes answer one
+        (KernelHooks.on_confirmed): a job past --metadata-ttl has each file checked once a
+        TTL, not each lookup of it sent to the daemon."""
+        n = self._cache.confirm(path)
+        if n is not None and self._hooks.on_confirmed is not None:
+            self._hooks.on_confirmed(n)
 
     def _indexed(self, path: str) -> Attr | None:
         """A lookup answered from the NVMe tier's index (see __init__), or None."""
@@ -416,7 +416,7 @@ class Metadata:
             if known is None:
                 continue
             if FileId.of(prefix + name, known[0]).matches(attr):
-                self._confirm(prefix + name, attr)
+                self._confirm(prefix + name)
             elif name in answered:
                 self.stats.incr("metadata.index_stale")
                 self._on_changed(prefix + name)  # the kernel may hold the old attributes

@@ -251,21 +251,14 @@ class TableNodeOwner:
             return None
         return self._table.row_base + n, row
 
-    def _row_confirmed(self, path: str, a: Attr) -> None:
-        """KernelHooks.on_confirmed: `path` was found on the source as `a`, the newest
-        version the NVMe tier holds. If a table node stands for that version, the serving
-        processes answer it for --metadata-ttl from now (ServeTable.confirm_row), as this
-        process answers from its index: past the TTL of when the files were fetched, an
-        epoch's lookups go to the daemon until a stat or its directory's listing confirms
-        them, not for the rest of the mount."""
+    def _row_confirmed(self, n: int) -> None:
+        """KernelHooks.on_confirmed: the source has the file version of the entry table's
+        record n still. The serving processes answer its table node for --metadata-ttl from
+        now (ServeTable.confirm_row), as this process answers from its index: past the TTL
+        of when the files were fetched, an epoch's lookups go to the daemon until a stat or
+        its directory's listing confirms them, not for the rest of the mount."""
         table = self._table
-        if table is None or not self._rows:
-            return
-        n = self.core.cache.table_record_of(path)
-        if n is None or n >= table.rows:
-            return
-        row = self.core.cache.table_file(n)
-        if row is not None and version_of(row.attr) == version_of(a):
+        if table is not None and self._rows and n < table.rows:
             table.confirm_row(n, time.time())
 
     def _resolve_row(self, nodeid: int) -> bool:

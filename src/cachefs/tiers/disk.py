@@ -519,10 +519,13 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
         e = self._entries.get(eid)
         return None if e is None else (e.attr, e.stored_at)
 
-    def confirm(self, path: str) -> None:
+    def confirm(self, path: str) -> int | None:
         """The source still has the newest cached version of `path`: its attributes are good
-        as of now (kept in the index at the next compaction or clean stop)."""
-        self._known_good(path, time.time())
+        as of now (kept in the index at the next compaction or clean stop). The record of
+        the entry table the table nodes stand for (table_find) that holds this version, if
+        one does: its table node is good as of now too."""
+        eid = self._known_good(path, time.time())
+        return None if eid is None else self.table_find(eid=eid)
 
     def outdated(self, path: str) -> None:
         """The source has another version of `path` than the newest cached one: its
@@ -530,21 +533,23 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
         after a restart); a check that finds the source back at this version confirms it."""
         self._known_good(path, 0.0)
 
-    def _known_good(self, path: str, when: float) -> None:
+    def _known_good(self, path: str, when: float) -> bytes | None:
         """The newest cached version of `path` (brought in from the table if it is there)
-        has its attributes known good as of `when`."""
+        has its attributes known good as of `when`: its entry id, or None (none cached)."""
         eid = self._paths.get(path)
         if eid is None:
             found = self._restored_row(path)
             if found is None:
-                return
+                return None
             with self._lock:
                 self._restored.take(*found)  # type: ignore[union-attr]  # (found: it is set)
             eid = self._paths.get(path)
         e = self._entries.get(eid) if eid is not None else None
-        if e is not None:
-            e.stored_at = when
-            self._confirmed = True
+        if e is None:
+            return None
+        e.stored_at = when
+        self._confirmed = True
+        return eid
 
     # -- shutdown -------------------------------------------------------------------------------
 

@@ -473,10 +473,10 @@ class MultiLevelCache:
         if self.disk is not None:
             self.disk.on_unpathed.append(listener)
 
-    def confirm(self, path: str) -> None:
-        """The source still has the newest cached version of `path`."""
-        if self.disk is not None:
-            self.disk.confirm(path)
+    def confirm(self, path: str) -> int | None:
+        """The source still has the newest cached version of `path`: the record of the
+        NVMe tier's entry table (table_record_of) that holds it, if any."""
+        return self.disk.confirm(path) if self.disk is not None else None
 
     def outdated(self, path: str) -> None:
         """The source has another version of `path` than the newest cached one."""
