@@ -14,7 +14,7 @@ from tests.helpers import make_core
 BS = 64 << 10
 
 
-def _restarted(tmp_path, source: MemorySource, files: dict[str, bytes], **kw):
+def _restarted(tmp_path, source: MemorySource, files: dict[str, bytes], bring_all: bool = True, **kw):
     for name, data in files.items():
         source.add_file(name, data)
     first = DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False)
@@ -25,7 +25,7 @@ def _restarted(tmp_path, source: MemorySource, files: dict[str, bytes], **kw):
     # Without the listings the first run kept (within the TTL they are trusted and nothing is
     # checked: see test_listings_core.py): as after a TTL, or a cache from before them.
     shutil.rmtree(tmp_path / "listings")
-    disk = DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False)
+    disk = DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False, bring_all=bring_all)
     return make_core(source, disk=disk, block_size=BS, **kw)
 
 
@@ -199,4 +199,33 @@ def test_after_a_restart_each_file_found_unchanged_renews_its_table_record(tmp_p
     core.metadata.invalidate("/d/f1")
     assert core.getattr("/d/f1").size == len(FILES["/d/f1"])  # past the TTL: a stat
     assert confirmed[:1] == [core.cache.table_record_of("/d/f1")]
+    core.close()
+
+
+def test_a_confirmation_holds_when_the_background_bring_in_takes_the_entry_meanwhile(tmp_path):
+    """A directory's check confirms a restored entry while the background bring-in may take
+    it into memory between the check's look at the table and its own bring-in: the
+    confirmation lands on the entry brought in (its attributes good as of now, its record
+    named for the serving processes), not lost (the file's next lookup a stat again)."""
+    source = MemorySource()
+    core = _restarted(tmp_path, source, FILES, bring_all=False)  # (this test brings one in itself)
+    disk = core.cache.disk
+    real = disk._restored_row
+    raced = []
+
+    def bring_in_meanwhile(path):
+        found = real(path)
+        if found is not None and not raced:
+            with disk._lock:
+                disk._restored.take(*found)  # as _bring_all would, just before this caller's
+            raced.append(path)
+            return None
+        return found
+
+    disk._restored_row = bring_in_meanwhile
+    before = time.time()
+    n = core.cache.confirm("/d/f5")
+    assert raced == ["/d/f5"]
+    assert n is not None and n == core.cache.table_record_of("/d/f5")
+    assert core.cache.indexed_attr("/d/f5")[1] >= before  # type: ignore[index]
     core.close()

@@ -538,12 +538,11 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
         has its attributes known good as of `when`: its entry id, or None (none cached)."""
         eid = self._paths.get(path)
         if eid is None:
-            found = self._restored_row(path)
-            if found is None:
-                return None
+            found = self._restored_row(path)  # (None too if the background bring-in took it meanwhile)
             with self._lock:
-                self._restored.take(*found)  # type: ignore[union-attr]  # (found: it is set)
-            eid = self._paths.get(path)
+                if found is not None:
+                    self._restored.take(*found)  # type: ignore[union-attr]  # (found: there is a table)
+                eid = self._paths.get(path)
         e = self._entries.get(eid) if eid is not None else None
         if e is None:
             return None
