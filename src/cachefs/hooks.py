@@ -1,12 +1,14 @@
-"""What the FUSE layer tells the core once the kernel has answered INIT.
+"""What the FUSE layer tells the core once the kernel has answered INIT, and what the core
+tells the file system.
 
 The core is built before the mount exists; three things are only known after it: how to
 hand a request's thread back while it waits on the source (the session's `blocking`),
 how to make the kernel forget a name whose file changed (`on_source_changed`), and
-whether opens are passed through (`passthrough`); and the file system hears of a cached
-file found unchanged on the source (`on_confirmed`: its table node renewed). The daemon builds one KernelHooks, gives
+whether opens are passed through (`passthrough`). The daemon builds one KernelHooks, gives
 it to the core and to the file system, and the file system calls `connect` at INIT. Until
-then (and with no mount at all: the unit tests, tools) the defaults hold.
+then (and with no mount at all: the unit tests, tools) the defaults hold. The file system
+also hears here of a cached file found unchanged on the source (`on_confirmed`: its
+table node renewed for the serving processes).
 """
 
 from __future__ import annotations
