@@ -301,7 +301,8 @@ class Server:
         f = self.rows.record(n)
         if f is None or not f[2]:
             return None
-        if f[1] + self.ttl <= time.time() and self.table.confirmed[n] + self.ttl <= time.time():
+        now = time.time()
+        if f[1] + self.ttl <= now and self.table.confirmed[n] + self.ttl <= now:
             return None  # due for a check on the source, and not confirmed since (confirm_row)
         mode, nlink, uid, gid, size, atime, mtime, ctime, blocks, rdev, ino = f[11:22]
         if not stat_mod.S_ISREG(mode):
