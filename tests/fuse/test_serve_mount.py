@@ -439,7 +439,7 @@ def test_past_the_metadata_ttl_table_nodes_are_the_serving_processes_again_once_
         for i in range(30):
             data[f"c{d}/{i:02d}.jpg"] = os.urandom(20_000 + i)
             (src / f"c{d}/{i:02d}.jpg").write_bytes(data[f"c{d}/{i:02d}.jpg"])
-    ttl = 8
+    ttl = 15
     args = ("--ram-size", "0", "--readahead", "off", "--serve-processes", "1", "--backing-files", "16",
             "--metadata-ttl", str(ttl))  # (the names' limit: 16, of 60 files)
     mp = passthrough_mount(mounts, src, *args)
