@@ -181,12 +181,12 @@ def test_past_the_ttl_a_file_found_unchanged_is_trusted_for_another(tmp_path):
 def test_after_a_restart_each_file_found_unchanged_renews_its_table_record(tmp_path):
     """After a start from the entry table, a file the source still has as cached (found by
     its directory's check, or by a stat past the TTL) is told to the file system by its
-    record's number (KernelHooks.on_confirmed: the serving processes answer its table
-    node for another TTL); a file changed or gone is not."""
+    entry id, which names its record (KernelHooks.on_confirmed: the serving processes
+    answer its table node for another TTL); a file changed or gone is not."""
     source = MemorySource()
     core = _restarted(tmp_path, source, FILES, metadata_ttl=2.0)
     confirmed: list[int] = []
-    core.hooks.connect(on_confirmed=confirmed.append)
+    core.hooks.connect(on_confirmed=lambda eid: confirmed.append(core.cache.table_record_of_entry(eid)))
     source.add_file("/d/f3", b"rewritten")
     source.remove("/d/f4")
     core.getattr("/d/f0")  # from the index; the directory's check follows
@@ -224,8 +224,8 @@ def test_a_confirmation_holds_when_the_background_bring_in_takes_the_entry_meanw
 
     disk._restored_row = bring_in_meanwhile
     before = time.time()
-    n = core.cache.confirm("/d/f5")
+    eid = core.cache.confirm("/d/f5")
     assert raced == ["/d/f5"]
-    assert n is not None and n == core.cache.table_record_of("/d/f5")
+    assert eid is not None and core.cache.table_record_of_entry(eid) == core.cache.table_record_of("/d/f5")
     assert core.cache.indexed_attr("/d/f5")[1] >= before  # type: ignore[index]
     core.close()

@@ -28,13 +28,13 @@ class KernelHooks:
         # Called with a path whose cached identity turned out wrong, instead of the core's
         # own invalidate (None): the file system forgets it and has the kernel look it up again.
         self.on_source_changed: Callable[[str], None] | None = None
-        # Called with the record of the NVMe tier's entry table holding a file version the
-        # source was found to have still (its table node's attributes good as of now)
-        self.on_confirmed: Callable[[int], None] | None = None
+        # Called with the entry id of a cached file version the source was found to have
+        # still (its attributes good as of now)
+        self.on_confirmed: Callable[[bytes], None] | None = None
 
     def connect(self, blocking: Callable[[], AbstractContextManager[None]] | None = None,
                 on_source_changed: Callable[[str], None] | None = None, passthrough: bool | None = None,
-                on_confirmed: Callable[[int], None] | None = None) -> None:
+                on_confirmed: Callable[[bytes], None] | None = None) -> None:
         if blocking is not None:
             self.blocking = blocking
         if on_source_changed is not None:

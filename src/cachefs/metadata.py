@@ -319,9 +319,9 @@ class Metadata:
         good as of now, and so is its table node, if the serving processes answer one
         (KernelHooks.on_confirmed): a job past --metadata-ttl has each file checked once a
         TTL, not each lookup of it sent to the daemon."""
-        n = self._cache.confirm(path)
-        if n is not None and self._hooks.on_confirmed is not None:
-            self._hooks.on_confirmed(n)
+        eid = self._cache.confirm(path)
+        if eid is not None and self._hooks.on_confirmed is not None:
+            self._hooks.on_confirmed(eid)
 
     def _indexed(self, path: str) -> Attr | None:
         """A lookup answered from the NVMe tier's index (see __init__), or None."""

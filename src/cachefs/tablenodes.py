@@ -251,14 +251,18 @@ class TableNodeOwner:
             return None
         return self._table.row_base + n, row
 
-    def _row_confirmed(self, n: int) -> None:
-        """KernelHooks.on_confirmed: the source has the file version of the entry table's
-        record n still. The serving processes answer its table node for --metadata-ttl from
-        now (ServeTable.confirm_row), as this process answers from its index: past the TTL
-        of when the files were fetched, an epoch's lookups go to the daemon until a stat or
-        its directory's listing confirms them, not for the rest of the mount."""
+    def _row_confirmed(self, eid: bytes) -> None:
+        """KernelHooks.on_confirmed: the source has the cached file version `eid` still. If
+        a table node stands for it, the serving processes answer the node for
+        --metadata-ttl from now (ServeTable.confirm_row), as this process answers from its
+        index: past the TTL of when the files were fetched, an epoch's lookups go to the
+        daemon until a stat or its directory's listing confirms them, not for the rest of
+        the mount."""
         table = self._table
-        if table is not None and self._rows and n < table.rows:
+        if table is None or not self._rows:
+            return
+        n = self.core.cache.table_record_of_entry(eid)
+        if n is not None and n < table.rows:
             table.confirm_row(n, time.time())
 
     def _resolve_row(self, nodeid: int) -> bool:

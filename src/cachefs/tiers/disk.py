@@ -519,13 +519,11 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
         e = self._entries.get(eid)
         return None if e is None else (e.attr, e.stored_at)
 
-    def confirm(self, path: str) -> int | None:
+    def confirm(self, path: str) -> bytes | None:
         """The source still has the newest cached version of `path`: its attributes are good
-        as of now (kept in the index at the next compaction or clean stop). The record of
-        the entry table the table nodes stand for (table_find) that holds this version, if
-        one does: its table node is good as of now too."""
-        eid = self._known_good(path, time.time())
-        return None if eid is None else self.table_find(eid=eid)
+        as of now (kept in the index at the next compaction or clean stop). Its entry id,
+        or None (none cached)."""
+        return self._known_good(path, time.time())
 
     def outdated(self, path: str) -> None:
         """The source has another version of `path` than the newest cached one: its

@@ -473,9 +473,9 @@ class MultiLevelCache:
         if self.disk is not None:
             self.disk.on_unpathed.append(listener)
 
-    def confirm(self, path: str) -> int | None:
-        """The source still has the newest cached version of `path`: the record of the
-        NVMe tier's entry table (table_record_of) that holds it, if any."""
+    def confirm(self, path: str) -> bytes | None:
+        """The source still has the newest cached version of `path`: its entry id, if the
+        NVMe tier holds it."""
         return self.disk.confirm(path) if self.disk is not None else None
 
     def outdated(self, path: str) -> None:
