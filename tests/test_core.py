@@ -375,12 +375,18 @@ def test_warm_loads_a_tree_in_order_and_resumes(source):
     assert job2.progress()["files_cached"] == 12 and source.calls["read_range"] == reads
 
 
-def test_warm_stops_when_the_cache_is_full_and_says_so(source):
+def test_warm_stops_when_the_cache_is_full_and_says_so(source, monkeypatch):
     for i in range(10):
         source.add_file(f"/ds/{i}.bin", blob(BS, i))
     core, p = make_ra_core(source, readahead="off", ram=3 * BS, block_size=BS)
+    counting = threading.Event()  # the count of the total held until the walk has stopped for room
+    count_files = warming.WarmJob._count_files
+    monkeypatch.setattr(warming.WarmJob, "_count_files", lambda self: (counting.wait(10), count_files(self)))
     job = warming.start(core, ["/ds"])
     run_until_idle(p)
+    prog = job.progress()  # stopped short of the end: the total is not the files it saw
+    assert prog["state"] == "no_room" and not prog["total_known"]
+    counting.set()
     deadline = time.monotonic() + 10
     while not job.progress()["total_known"]:  # the total is counted by a thread of its own
         assert time.monotonic() < deadline

@@ -191,7 +191,10 @@ class WarmJob:
         with self._lock:
             out: dict[str, Any] = dict(self.counts)
             out["files_total"] = max(self.files_total, out["files_done"])
-            out["total_known"] = self.total_known or done
+            # a walk that ended stopped short (no room, cancelled) has not seen every file: its
+            # total is the counting thread's, known when that thread ends
+            walked_all = done and not self.no_room and not self.cancelled
+            out["total_known"] = self.total_known or walked_all
         elapsed = ((self.finished if done and self.finished else self._clock()) - self.started)
         out.update(state="failed" if self.error and done else "no_room" if self.no_room and done
                    else "cancelled" if self.cancelled and done else "done" if done else "running",
