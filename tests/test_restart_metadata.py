@@ -14,7 +14,7 @@ from tests.helpers import make_core
 BS = 64 << 10
 
 
-def _restarted(tmp_path, source: MemorySource, files: dict[str, bytes], bring_all: bool = True, **kw):
+def _restarted(tmp_path, source: MemorySource, files: dict[str, bytes], **kw):
     for name, data in files.items():
         source.add_file(name, data)
     first = DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False)
@@ -25,7 +25,7 @@ def _restarted(tmp_path, source: MemorySource, files: dict[str, bytes], bring_al
     # Without the listings the first run kept (within the TTL they are trusted and nothing is
     # checked: see test_listings_core.py): as after a TTL, or a cache from before them.
     shutil.rmtree(tmp_path / "listings")
-    disk = DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False, bring_all=bring_all)
+    disk = DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False)
     return make_core(source, disk=disk, block_size=BS, **kw)
 
 
@@ -202,13 +202,13 @@ def test_after_a_restart_each_file_found_unchanged_renews_its_table_record(tmp_p
     core.close()
 
 
-def test_a_confirmation_holds_when_the_background_bring_in_takes_the_entry_meanwhile(tmp_path):
-    """A directory's check confirms a restored entry while the background bring-in may take
-    it into memory between the check's look at the table and its own bring-in: the
+def test_a_confirmation_holds_when_another_thread_brings_the_entry_in_meanwhile(tmp_path):
+    """A directory's check confirms a restored entry while another thread (a read, an open)
+    may bring it into memory between the check's look at the table and its own bring-in: the
     confirmation lands on the entry brought in (its attributes good as of now, its record
     named for the serving processes), not lost (the file's next lookup a stat again)."""
     source = MemorySource()
-    core = _restarted(tmp_path, source, FILES, bring_all=False)  # (this test brings one in itself)
+    core = _restarted(tmp_path, source, FILES)
     disk = core.cache.disk
     real = disk._restored_row
     raced = []
@@ -217,7 +217,7 @@ def test_a_confirmation_holds_when_the_background_bring_in_takes_the_entry_meanw
         found = real(path)
         if found is not None and not raced:
             with disk._lock:
-                disk._restored.take(*found)  # as _bring_all would, just before this caller's
+                disk._restored.take(*found)  # as a reader would, just before this caller's
             raced.append(path)
             return None
         return found

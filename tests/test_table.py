@@ -80,10 +80,8 @@ def test_a_damaged_record_is_not_there_and_a_damaged_header_is_no_table(tmp_path
 def disk(tmp_path):
     tiers = []
 
-    def make(capacity=8 << 20, stats=None, bring_all=False, scrub=False, **kw):
-        # (entries stay in the table until touched: what is tested here; the background
-        # bring-in of a real start has its own test)
-        t = DiskTier(str(tmp_path / "store"), capacity, stats or Stats(), scrub=scrub, bring_all=bring_all, **kw)
+    def make(capacity=8 << 20, stats=None, scrub=False, **kw):
+        t = DiskTier(str(tmp_path / "store"), capacity, stats or Stats(), scrub=scrub, **kw)
         tiers.append(t)
         return t
 
@@ -126,6 +124,90 @@ def test_victims_are_taken_from_the_table_oldest_first(disk):
     assert not os.path.exists(t2.file_of(eid(0).hex()))
     check(t2)
     assert t2._volume() <= 2 << 20
+
+
+def test_opens_counted_on_whole_one_block_records_leave_them_in_the_table(disk):
+    """The opens a serving process reports count as the policy's hits without making an
+    entry of each record (about 1 KB a file in memory); a record of several blocks is
+    brought in, and one brought in later keeps the access its hit gave it."""
+    t = disk()
+    for n in range(30):
+        put(t, n, bytes([n]) * 20_000)
+    put(t, 30, b"a" * BS, 0, size=BS + 100)
+    put(t, 30, b"b" * 100, 1, size=BS + 100)  # two blocks
+    t.close()
+    t2 = disk()
+    assert t2.hit_whole([eid(n) for n in range(30)]) == [True] * 30
+    assert t2._entries == {} and (eid(3), 0) in t2 and t2._entries == {}  # held, still cold
+    r = t2._restored
+    ticks = {n: r.ticks[t2._restored.table.find(eid(n))] for n in range(30)}
+    assert sorted(ticks.values()) == list(ticks.values()) and 0 not in ticks.values()  # each hit a tick, in order
+    assert r.read == 30 and r.files == 31
+    assert t2.hit_whole([eid(30)]) == [True] and list(t2._entries) == [eid(30)]  # two blocks: brought in
+    assert t2.entry(eid(5)) is not None  # brought in: as last accessed by its hit, not the oldest
+    assert t2.policy._entries[(eid(5), 0)][1] == ticks[5] and next(iter(t2.policy._entries)) == (eid(30), 0)
+    assert t2.get((eid(5), 0)) == bytes([5]) * 20_000
+    check(t2)
+
+
+def test_a_record_confirmed_or_outdated_stays_in_the_table_with_its_new_time(disk):
+    """A check that finds a restored file unchanged (or changed) on the source gives its
+    record a new time (or 0) in a column, without bringing it into memory; the next clean
+    stop writes that time, and an entry brought in meanwhile carries it."""
+    t = disk()
+    for n in range(5):
+        put(t, n, bytes([n]) * 3000)
+    t.close()
+    t2 = disk()
+    before = {n: t2.attr_of(f"/f{n}")[1] for n in range(5)}
+    assert t2.confirm("/f1") == eid(1) and t2.outdated("/f2") is None and t2._entries == {}
+    now = t2.attr_of("/f1")[1]
+    assert now > before[1] and t2.attr_of("/f2")[1] == 0.0 and t2.attr_of("/f3")[1] == before[3]
+    assert t2.entry(eid(1)).stored_at == now and t2.entry(eid(2)).stored_at == 0.0  # brought in: the same
+    t2.confirm("/f4")
+    t2.close()
+    t3 = disk()
+    assert t3.attr_of("/f4")[1] > before[4] and t3.attr_of("/f1")[1] == now and t3.attr_of("/f2")[1] == 0.0
+    check(t3)
+
+
+def test_a_record_read_while_cold_outlasts_those_not_read_and_goes_by_its_last_read(disk):
+    t = disk(capacity=4 << 20, policy="lru")
+    for n in range(40):
+        put(t, n, bytes([n]) * 50_000)
+    t.close()
+    t2 = disk(capacity=2_400_000, policy="lru")  # room for the 40 and a few more
+    assert all((eid(n), 0) in t2 for n in range(40))
+    read = list(range(9, -1, -1))  # the ten oldest records, read newest first
+    assert t2.hit_whole([eid(n) for n in read]) == [True] * 10
+    for n in range(40, 60):  # no room: the records not read since the start go first
+        assert put(t2, n, bytes([n]) * 50_000)
+    held = {n for n in range(60) if (eid(n), 0) in t2}
+    assert set(range(10)) <= held and set(range(40, 60)) <= held
+    assert not set(range(10, 40)) <= held and t2._entries.keys().isdisjoint(eid(n) for n in range(10))
+    for n in range(60, 100):  # then the records read while cold, by their last read (9 before 0)
+        put(t2, n, bytes([n]) * 50_000)
+    cold_left = [n for n in read if (eid(n), 0) in t2]
+    assert cold_left == read[len(read) - len(cold_left):] and len(cold_left) < 10
+    check(t2)
+
+
+@pytest.mark.usefixtures("no_margin")
+def test_a_record_the_restart_check_trusted_needs_no_check_and_stays_cold(disk):
+    t = disk()
+    for n in range(20):
+        put(t, n, bytes([n]) * 3000)
+    time.sleep(0.05)  # older than the stop by the margin
+    t.close()
+    stats = Stats()
+    t2 = disk(stats=stats, scrub=True)
+    deadline = time.monotonic() + 10
+    while stats.get("disk.trusted_files") < 20 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert stats.get("disk.trusted_files") == 20
+    assert not t2.needs_check(eid(3)) and t2._entries == {}
+    assert t2.get((eid(3), 0)) == bytes([3]) * 3000 and not t2.needs_check(eid(3))
+    check(t2)
 
 
 def test_a_crash_after_a_start_from_the_table_keeps_what_happened_since(disk):
@@ -239,10 +321,11 @@ def test_a_stop_with_nothing_changed_since_the_start_keeps_the_table(disk, monke
 
 
 @pytest.mark.usefixtures("no_margin")
-def test_the_background_bring_in_checks_each_entry_as_it_brings_it(disk):
-    """An entry brought in by the background thread comes trusted when its file is as the
-    clean stop left it (one stat, off the serving path); a file changed since comes
-    unverified, and its first read compares its bytes."""
+@pytest.mark.usefixtures("no_margin")
+def test_the_restart_check_trusts_unchanged_files_and_leaves_them_in_the_table(disk):
+    """After a clean stop each record's file is checked at one stat, off the serving path,
+    and left in the table; a file changed since is brought in unverified, and its bytes
+    are compared before they are served."""
     t = disk()
     for n in range(200):
         put(t, n, bytes([n % 256]) * 3000)
@@ -251,27 +334,13 @@ def test_the_background_bring_in_checks_each_entry_as_it_brings_it(disk):
     touched = t.file_of(eid(7).hex())
     os.chmod(touched, 0o644)  # its ctime moves past the clean stop; its bytes are the same
     stats = Stats()
-    t2 = disk(stats=stats, bring_all=True, scrub=True)
+    t2 = disk(stats=stats, scrub=True)
     deadline = time.monotonic() + 10
-    while (len(t2._entries) < 200 or stats.get("disk.trusted_files") < 199) and time.monotonic() < deadline:
-        time.sleep(0.01)  # (the restart check, beside it, counts those it trusted first at its end)
-    unverified = sorted(n for n in range(200) if t2._entries[eid(n)].unverified)
-    assert unverified == [7] and stats.get("disk.trusted_files") == 199
-    assert t2.get((eid(7), 0)) == bytes([7]) * 3000 and not t2._entries[eid(7)].unverified
-    check(t2)
-
-
-def test_after_a_start_from_the_table_every_entry_comes_into_memory_in_the_background(disk):
-    t = disk()
-    for n in range(300):
-        put(t, n, bytes([n % 256]) * 3000)
-    t.close()
-    t2 = disk(bring_all=True)
-    deadline = time.monotonic() + 10
-    while len(t2._entries) < 300 and time.monotonic() < deadline:
+    while stats.get("disk.trusted_files") < 199 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(t2._entries) == 300 and t2._restored.files == 0 and len(t2) == 300
-    assert all(t2.get((eid(n), 0)) == bytes([n % 256]) * 3000 for n in range(300))
+    assert stats.get("disk.trusted_files") == 199 and list(t2._entries) == [eid(7)]
+    assert t2.get((eid(7), 0)) == bytes([7]) * 3000 and not t2._entries[eid(7)].unverified
+    assert all(t2.get((eid(n), 0)) == bytes([n % 256]) * 3000 for n in range(200))
     check(t2)
 
 

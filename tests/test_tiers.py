@@ -311,7 +311,7 @@ def test_the_restart_check_trusts_a_clean_cache_at_a_stat_per_file(tmp_path, mon
     time.sleep(0.05)
     t.close()
     reads = _reads(monkeypatch)
-    t2 = DiskTier(str(tmp_path / "store"), 8 << 20, stats, bring_all=False)  # with its background checks
+    t2 = DiskTier(str(tmp_path / "store"), 8 << 20, stats)  # with its background checks
     try:
         deadline = time.monotonic() + 10
         while stats.get("disk.trusted_files") < 20 and time.monotonic() < deadline:

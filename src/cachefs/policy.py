@@ -39,6 +39,7 @@ Invariants, checked after every operation by tests/test_policy.py:
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -64,17 +65,34 @@ POLICIES = ("keep", "lru")
 
 class Cold(Protocol):
     """Keys a tier restored at its start and has not brought into memory yet (the NVMe
-    tier's entry table, cachefs/tiers/restored.py): held, counted in `used`, older than
-    every key accessed since, never stale or pinned. `warm(key)` brings the key's entry in
-    (the tier calls `Policy.restore`) and says whether it was held; `oldest()` yields the
-    cold keys in restore order with their sizes."""
+    tier's entry table, cachefs/tiers/restored.py): held, counted in `used`, never stale or
+    pinned. `warm(key)` brings the key's entry in (the tier calls `Policy.restore`) and says
+    whether it was held. A hit may leave a key cold: `touch(key, tick, when)` records the
+    access in the cold set's own columns and returns the key's tick before (0: not read
+    since the start), or None if the key cannot stay cold (not held there, or not a whole
+    file of one block; it is then brought in). `oldest()` yields the cold keys not read
+    since the start, older than every other, in restore order with their sizes;
+    `read_oldest()` those read since, as (key, size, tick, when), oldest tick first (a key
+    read again since it was listed is left out: it is newer); `access(key)` a cold key's
+    (tick, when), or None; `holds(key)` whether a key is held there (not brought in);
+    `keys()` every cold key."""
 
     count: int
     used: int
 
     def warm(self, key: Hashable) -> bool: ...
 
+    def touch(self, key: Hashable, tick: int, when: float) -> int | None: ...
+
+    def holds(self, key: Hashable) -> bool: ...
+
     def oldest(self) -> Iterator[tuple[Hashable, int]]: ...
+
+    def read_oldest(self) -> Iterator[tuple[Hashable, int, int, float]]: ...
+
+    def access(self, key: Hashable) -> tuple[int, float] | None: ...
+
+    def keys(self) -> Iterator[Hashable]: ...
 
 
 class Policy:
@@ -118,12 +136,15 @@ class Policy:
         self._cold_when = self._clock()
         self.used += cold.used
 
-    def restore(self, items: list[tuple[Hashable, int]]) -> None:
+    def restore(self, items: list[tuple[Hashable, int]], tick: int = 0, when: float = 0.0) -> None:
         """Keys of the cold set, brought into memory (their bytes already counted): the
-        oldest entries, never accessed."""
+        oldest entries if not read since the start, else the newest, as last read at `tick`
+        and `when` (among the entries read since, one brought in is a little out of access
+        order: its tick says when it was read, and the idle test goes by that)."""
         for key, size in items:
-            self._entries[key] = (size, 0, self._cold_when)
-            self._entries.move_to_end(key, last=False)
+            self._entries[key] = (size, tick, when or self._cold_when)
+            if not tick:
+                self._entries.move_to_end(key, last=False)
 
     def _held(self, key: Hashable) -> bool:
         """Whether `key` is held; a cold key is brought into memory first."""
@@ -134,20 +155,34 @@ class Policy:
         return cold is not None and cold.count > 0 and (cold.warm(key) or key in self._entries)
 
     def _cold_keys(self) -> Iterator[tuple[Hashable, int]]:
+        """The cold keys not read since the start (the oldest of all), with their sizes."""
         cold = self._cold
         if cold is not None and cold.count > 0:
             yield from cold.oldest()
 
+    def _by_access(self) -> Iterator[tuple[Hashable, int, int, float]]:
+        """Every key but those of _cold_keys as (key, size, tick, when), oldest access first:
+        the entries in memory and the cold keys read since the start, merged by tick."""
+        cold = self._cold
+        entries = ((key, size, tick, when) for key, (size, tick, when) in self._entries.items())
+        if cold is None or cold.count == 0:
+            return entries
+        return heapq.merge(cold.read_oldest(), entries, key=lambda item: item[2])
+
     # -- queries -----------------------------------------------------------------------
 
     def __contains__(self, key: Hashable) -> bool:
-        return self._held(key)
+        if key in self._entries:
+            return True
+        cold = self._cold
+        return cold is not None and cold.count > 0 and cold.holds(key)
 
     def __len__(self) -> int:
         return len(self._entries) + (self._cold.count if self._cold is not None else 0)
 
     def keys(self) -> list[Hashable]:
-        return [key for key, _ in self._cold_keys()] + list(self._entries)
+        cold = self._cold
+        return (list(cold.keys()) if cold is not None and cold.count > 0 else []) + list(self._entries)
 
     def has_room(self, size: int) -> bool:
         return self.used + size <= self.capacity
@@ -162,23 +197,29 @@ class Policy:
         """hit() for each of `keys` in turn (the blocks of the opens a serving process
         reported: about a tenth of the daemon's time in the epoch after a checkpoint went
         to one call per block), the clock read once."""
-        entries, unread, now = self._entries, self._unread, self._clock()
+        entries, unread, now, cold = self._entries, self._unread, self._clock(), self._cold
         for key in keys:
             entry = entries.get(key)
             if entry is None:
-                if not self._held(key):
+                # a cold key read stays cold (its access in the cold set's columns, no
+                # object per file); one that cannot is brought into memory
+                before = cold.touch(key, self._tick + 1, now) if cold is not None and cold.count else None
+                if before is not None:
+                    self._access(1)
+                    reuse = self._tick - before
+                elif not self._held(key):
                     self.miss()
                     continue
-                entry = entries[key]
-            self._access(1)
-            tick = self._tick
-            reuse = tick - entry[1]
-            entries[key] = (entry[0], tick, now)
-            entries.move_to_end(key)
-            if unread and key in unread:
-                unread.discard(key)  # fetched ahead, now read: a first read, no reuse
-                continue
-            cold = self._cold
+                else:
+                    entry = entries[key]
+            if entry is not None:
+                self._access(1)
+                reuse = self._tick - entry[1]
+                entries[key] = (entry[0], self._tick, now)
+                entries.move_to_end(key)
+                if unread and key in unread:
+                    unread.discard(key)  # fetched ahead, now read: a first read, no reuse
+                    continue
             held = len(entries) + (cold.count if cold is not None else 0)
             if reuse < REUSE_MIN or reuse < REUSE_MIN_SHARE * held:
                 continue  # a re-read within one pass (a block read in pieces, two readers at once)
@@ -330,12 +371,12 @@ class Policy:
             victims.append(key)
             self.remove(key)
         for pinned_too in (False, True):  # pins go last: a hard budget beats a hint
-            for key in [k for k in self._entries if pinned_too or k not in self._pins]:
+            for key, size, _, _ in list(self._by_access()):
                 if freed >= need:
                     return victims
-                freed += self._entries[key][0]
-                victims.append(key)
-                self.remove(key)
+                if (pinned_too or key not in self._pins) and self.remove(key):
+                    freed += size
+                    victims.append(key)
         return victims
 
     # -- policy ------------------------------------------------------------------------
@@ -343,7 +384,8 @@ class Policy:
     def _victims(self, need: int) -> list[Hashable] | None:
         raise NotImplementedError
 
-    def _lru_victims(self, need: int, usable: Callable[[Hashable], bool] | None = None) -> list[Hashable] | None:
+    def _lru_victims(self, need: int, usable: Callable[[Hashable, int, float], bool] | None = None,
+                     ) -> list[Hashable] | None:
         """Stale entries, then unpinned ones oldest access first, up to the first one that is
         not `usable` (entries are in access order: with an age test, none after it is usable
         either); None if they cannot free `need`."""
@@ -352,16 +394,16 @@ class Policy:
         for key, size in self._cold_keys():  # older than every key in memory (never stale or pinned)
             if freed >= need:
                 return victims
-            if usable is not None and not usable(key):
+            if usable is not None and not usable(key, 0, self._cold_when):
                 return None
             victims.append(key)
             freed += size
-        for key, (size, _, _) in self._entries.items():
+        for key, size, tick, when in self._by_access():
             if freed >= need:
                 break
             if key in chosen or key in self._pins:
                 continue
-            if usable is not None and not usable(key):
+            if usable is not None and not usable(key, tick, when):
                 break
             victims.append(key)
             freed += size
@@ -396,8 +438,15 @@ class Policy:
             return min(COLLAPSE_FACTOR * max(self.mean_reuse, 1.0), steady)
         return steady
 
-    def is_idle(self, key: Hashable) -> bool:
-        _, last, when = self._entries.get(key) or (0, 0, self._cold_when)
+    def is_idle(self, key: Hashable, last: int | None = None, when: float | None = None) -> bool:
+        """Whether `key` (last read at tick `last`, clock time `when`, where the caller knows)
+        counts as idle."""
+        if last is None or when is None:
+            entry = self._entries.get(key)
+            cold = self._cold.access(key) if entry is None and self._cold is not None else None
+            last, when = (entry[1], entry[2]) if entry is not None else cold or (0, self._cold_when)
+        if when == 0.0:
+            when = self._cold_when  # (a cold key not read since the start)
         if self.max_idle is not None and self._clock() - when > self.max_idle:
             return True
         return self._tick - last > self.idle_after(last)

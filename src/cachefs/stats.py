@@ -68,7 +68,7 @@ COUNTERS: tuple[str, ...] = (
 )
 GAUGES: tuple[str, ...] = (
     "ram.used_bytes", "ram.capacity_bytes", "ram.entries", "ram.files",
-    "disk.used_bytes", "disk.capacity_bytes", "disk.entries", "disk.files", "disk.suspended",
+    "disk.used_bytes", "disk.capacity_bytes", "disk.entries", "disk.files", "disk.files_in_memory", "disk.suspended",
     "disk.checkpoint_bytes",
     "source.down", "source.background_limit", "metadata.entries", "prefetch.queued", "prefetch.unused",
     "hint.sessions", "hint.pinned_bytes", "hint.queued", "opens.backing_files", "opens.backing_files_ram",

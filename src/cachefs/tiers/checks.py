@@ -76,7 +76,7 @@ def mark_synced(entries: dict[bytes, Entry], blocks: list[BlockKey], at_ns: int 
 
 def behind_serving() -> None:
     """Lower the calling thread's priority to WRITER_NICE: background work (the scrub, the
-    restart check, the bring-in) runs behind the daemon's serving threads."""
+    restart check) runs behind the daemon's serving threads."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
     except (OSError, AttributeError):

@@ -83,14 +83,13 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
 
     def __init__(self, directory: str, capacity: int, stats: Stats | None = None,
                  policy: str | Policy = DEFAULT_POLICY, max_idle: float | None = None, min_free: int = 0,
-                 scrub: bool = True, scrub_every: float = DEFAULT_SCRUB_INTERVAL, bring_all: bool = True):
+                 scrub: bool = True, scrub_every: float = DEFAULT_SCRUB_INTERVAL):
         os.makedirs(directory, mode=0o700, exist_ok=True)
         os.chmod(directory, 0o700)
         self.on_unpathed: list[Callable[[int], None]] = []  # told of table records a newer version replaces
         super().__init__(directory, capacity, stats, policy, max_idle, direct=True)
         self._min_free = int(min_free)
         self._scrub_every = scrub_every
-        self._bring_all_after_start = bring_all  # after a start from the table (FromTable._bring_all)
         self._check_in_background = scrub  # the restart check and scrub (tests turn them off)
         self._index = os.path.join(directory, index.NAME)
         self._log_lock = threading.Lock()
@@ -123,6 +122,7 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
         s.gauge("disk.capacity_bytes", lambda: self._capacity)
         s.gauge("disk.entries", lambda: len(self.policy))
         s.gauge("disk.files", self.files_held)
+        s.gauge("disk.files_in_memory", lambda: len(self._entries))
         self.policy.capacity = 1 << 62  # restored as found; _refresh_limits trims
         self._load()
         self._refresh_limits(force=True)
@@ -512,7 +512,7 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
             row = self._restored_row(path)
             if row is not None:
                 return row[1].attr, row[1].stored_at
-            with self._lock:  # brought into memory meanwhile (the background bring-in), whole
+            with self._lock:  # brought into memory meanwhile (by another thread), whole
                 eid = self._paths.get(path)
             if eid is None:
                 return None
@@ -532,15 +532,19 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
         self._known_good(path, 0.0)
 
     def _known_good(self, path: str, when: float) -> bytes | None:
-        """The newest cached version of `path` (brought in from the table if it is there)
-        has its attributes known good as of `when`: its entry id, or None (none cached)."""
+        """The newest cached version of `path` has its attributes known good as of `when`
+        (a record restored from the table and still there, in its column: Restored.stamp):
+        its entry id, or None (none cached)."""
         eid = self._paths.get(path)
         if eid is None:
-            found = self._restored_row(path)  # (None too if the background bring-in took it meanwhile)
+            found = self._restored_row(path)  # (None too if another thread brought it in meanwhile)
             with self._lock:
-                if found is not None:
-                    self._restored.take(*found)  # type: ignore[union-attr]  # (found: there is a table)
-                eid = self._paths.get(path)
+                r = self._restored
+                if found is not None and r is not None and r.cold(found[0]):
+                    r.stamp(found[0], when)
+                    self._confirmed = True
+                    return found[1].eid
+                eid = self._paths.get(path)  # (brought in since the look)
         e = self._entries.get(eid) if eid is not None else None
         if e is None:
             return None

@@ -1,11 +1,15 @@
 """The entries a start of the NVMe tier found in its entry table (cachefs/tiers/table.py)
 and has not brought into memory: a mount after a clean stop checks the table's header and
-reads nothing else, and an entry becomes a Python object only when something touches it (a
-read, an open, a lookup of its path, the restart check finding it changed, the policy
-taking it as a victim).
+reads nothing else, and an entry becomes a Python object only when the daemon needs one (a
+read or an open it serves, a file of several blocks hit, the restart check finding it
+changed, the policy taking it as a victim); a lookup of its path reads its record.
 
-What is kept per record is one byte of state, so that 1.28 million restored files cost
-1.28 MB until they are read.
+What is kept per record is a few flat columns, 22 bytes: its state, its shape once read,
+the policy's last access to it (tick and clock time) and when a check last found its
+attributes to be the source's. A record stays cold when a check confirms it, and a whole
+file of one block (an image; the files table nodes stand for) when its opens are counted
+as hits too: an entry in memory costs about 1 KB (its `Entry`, `Row`, `Attr` and the policy's tuples), and
+an epoch after a remount used to bring every record in.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import os
 import random
 import threading
 import time
+from array import array
 from collections.abc import Callable, Hashable, Iterator
 from typing import TYPE_CHECKING, cast
 
@@ -23,7 +28,7 @@ from cachefs.identity import BlockKey
 from cachefs.policy import Policy
 from cachefs.stats import Stats
 from cachefs.tiers import index, table
-from cachefs.tiers.checks import Synced, behind_serving
+from cachefs.tiers.checks import Synced
 from cachefs.tiers.entry import Entry
 from cachefs.tiers.layout import replace_durably
 from cachefs.tiers.table import Row, Table, block_bytes
@@ -34,6 +39,9 @@ COLD = 0      # in the table only
 TRUSTED = 1   # in the table only, and the restart check found its file as the clean stop left it
 WARM = 2      # brought into memory (or dropped since: the tier's entries say)
 GONE = 3      # its record failed its CRC (its file deleted)
+
+UNKNOWN, SINGLE, OTHER = 0, 1, 2  # a record's shape, once read: a whole file of one block, or not
+OUTDATED = -1.0  # in Restored.checked: its attributes are not the source's (their time 0)
 
 
 class Restored:
@@ -52,8 +60,126 @@ class Restored:
         self._bring = bring
         self._lost = lost  # told the id of a record that failed its CRC (as far as it reads)
         self._lock = lock  # the tier's: a policy query can come without it (probably_has)
-        self._first = 0             # no record before it is cold
+        self._first = 0             # no record before it is cold and unread (see oldest)
         self.unpathed: set[int] = set()  # records whose path has a newer entry since the start
+        # hits on records left cold (Policy.hit_many -> touch): the policy's tick of the
+        # last (0: none since the start) and its clock time; each record's shape
+        self.ticks = array("q", bytes(8 * table.count))
+        self.whens = array("f", bytes(4 * table.count))
+        self.shape = bytearray(table.count)
+        # when each record's attributes were last found to be the source's since the start
+        # (wall clock; 0: not since, OUTDATED: found changed): its `stored_at` then
+        self.checked = array("d", bytes(8 * table.count))
+        self.read = 0               # cold records read since the start
+        self.touches = 0            # hits on them
+        self._found: dict[bytes, int] = {}  # whole_cold's answers, for the touch that follows
+        self._by_tick = array("i")     # read_oldest's records, by tick as they were listed,
+        self._listed_ticks = array("q")  # those ticks,
+        self._listed_at = 0              # `touches` when they were listed,
+        self._listed_from = 0            # and the first that may still be cold and unread since
+
+    def row(self, n: int) -> Row | None:
+        """Record n (Table.row), with its attributes' time as checked since the start."""
+        row = self.table.row(n)
+        checked = self.checked[n]
+        if row is None or not checked:
+            return row
+        return row._replace(stored_at=max(checked, 0.0))
+
+    def stamp(self, n: int, when: float) -> None:
+        """Record n's attributes are the source's as of `when` (0: they are not)."""
+        self.checked[n] = when or OUTDATED
+
+    def found(self, eid: bytes, n: int) -> None:
+        """Entry `eid` is record n (the caller read it there): whole_cold and touch need
+        not look it up again (a table node's open is counted by its record's entry id)."""
+        if len(self._found) > 2048:
+            self._found.clear()
+        self._found[eid] = n
+
+    def whole_cold(self, eid: bytes) -> bool:
+        """Whether entry `eid` is a cold record of a whole file of one block, which a hit
+        leaves cold (see touch)."""
+        n = self._found.get(eid)
+        if n is None:
+            n = self.table.find(eid)
+        if n is None or self.state[n] >= WARM or not self._single(n):
+            return False
+        self.found(eid, n)
+        return True
+
+    def holds(self, key: Hashable) -> bool:
+        """Whether the cold set holds block `key`, without bringing its record in."""
+        eid, block = cast(BlockKey, key)
+        n = self._found.get(eid)
+        if n is None:
+            n = self.table.find(eid)
+        if n is None or self.state[n] >= WARM:
+            return False
+        if self._single(n):
+            return block == 0
+        row = self.table.row(n)
+        return row is not None and 0 <= block < len(row.hashes) and row.hashes[block] is not None
+
+    def _single(self, n: int) -> bool:
+        shape = self.shape[n]
+        if shape == UNKNOWN:
+            row = self.table.row(n)
+            if row is None:
+                with self._lock:
+                    if self.state[n] < WARM:
+                        self._gone(n)
+                return False
+            shape = self.shape[n] = SINGLE if len(row.hashes) == 1 and row.hashes[0] is not None else OTHER
+        return shape == SINGLE
+
+    def touch(self, key: Hashable, tick: int, when: float) -> int | None:
+        """A hit on `key` that leaves its record cold (Cold.touch); the tier's lock held."""
+        eid, block = cast(BlockKey, key)
+        n = self._found.pop(eid, None)
+        if n is None:
+            n = self.table.find(eid) if block == 0 and self.files else None
+        if n is None or self.state[n] >= WARM or not self._single(n):
+            return None
+        before = self.ticks[n]
+        if not before:
+            self.read += 1
+        self.touches += 1
+        self.ticks[n] = tick
+        self.whens[n] = when
+        return before
+
+    def access(self, key: Hashable) -> tuple[int, float] | None:
+        """(tick, clock time) of a cold record's last hit since the start, or None."""
+        n = self.table.find(cast(BlockKey, key)[0])
+        if n is None or self.state[n] >= WARM or not self.ticks[n]:
+            return None
+        return self.ticks[n], self.whens[n]
+
+    def read_oldest(self) -> Iterator[tuple[Hashable, int, int, float]]:
+        """The cold records read since the start, as (key, size, tick, when), oldest tick
+        first (Cold.read_oldest), from a listing sorted by tick (about a second for 1.28
+        million: made again once the hits since outnumber a quarter of it). A record read
+        again since it was listed is left out until then (it is newer than any listed, and
+        no candidate to go first)."""
+        if self.touches - self._listed_at > max(1024, len(self._by_tick) // 4) or (self.read and not self._by_tick):
+            ticks = self.ticks
+            order = sorted((n for n in range(self.table.count) if ticks[n] and self.state[n] < WARM),
+                           key=ticks.__getitem__)
+            self._by_tick, self._listed_ticks = array("i", order), array("q", (ticks[n] for n in order))
+            self._listed_at, self._listed_from = self.touches, 0
+        by_tick, listed, i = self._by_tick, self._listed_ticks, self._listed_from
+        while i < len(by_tick):
+            n = by_tick[i]
+            if self.state[n] >= WARM or self.ticks[n] != listed[i]:
+                if i == self._listed_from and by_tick is self._by_tick:
+                    self._listed_from += 1  # gone for good from this listing
+                i += 1
+                continue
+            found = self.table.eid_size(n)
+            if found is not None:
+                yield (found[0], 0), found[1], listed[i], self.whens[n]
+            i += 1
 
     def warm(self, key: Hashable) -> bool:
         """Bring the entry of `key` (an (entry id, block) pair) into memory if it is cold;
@@ -77,7 +203,7 @@ class Restored:
         state = self.state[n]
         if state >= WARM:
             return None
-        row = row or self.table.row(n)
+        row = row or self.row(n)
         if row is None:
             self._gone(n)
             return None
@@ -102,11 +228,11 @@ class Restored:
             self.state[n] = TRUSTED
 
     def oldest(self) -> Iterator[tuple[Hashable, int]]:
-        """The cold blocks in restore order (oldest `stored at` first), with their sizes.
-        Records that leave the cold set meanwhile are skipped."""
+        """The cold blocks not read since the start in restore order (oldest `stored at`
+        first), with their sizes. Records that leave the cold set meanwhile are skipped."""
         n = self._first
         while n < self.table.count:
-            if self.state[n] >= WARM:
+            if self.state[n] >= WARM or self.ticks[n]:  # (a record read since is newer)
                 if n == self._first:
                     self._first += 1
                 n += 1
@@ -122,12 +248,18 @@ class Restored:
                 yield (row.eid, block), size
             n += 1
 
+    def keys(self) -> Iterator[Hashable]:
+        """Every cold block, read since the start or not."""
+        for _n, row, _ in self.rows():
+            for block, _ in block_bytes(row):
+                yield row.eid, block
+
     def rows(self) -> Iterator[tuple[int, Row, bool]]:
         """(record number, row, trusted by the restart check) of every record still cold,
         in restore order."""
-        for n in range(self._first, self.table.count):
+        for n in range(self.table.count):
             if self.state[n] < WARM:
-                row = self.table.row(n)
+                row = self.row(n)
                 if row is not None:
                     yield n, row, self.state[n] == TRUSTED
 
@@ -166,9 +298,6 @@ class FromTable:
         _live_bytes: int
         _log_fd: int
         _confirmed: bool
-        _stop: threading.Event
-        _bring_all_after_start: bool
-        _check_in_background: bool
         _stats: Stats
         policy: Policy
 
@@ -183,6 +312,8 @@ class FromTable:
         def _files(self) -> dict[str, str]: ...
 
         def _refresh_limits(self, incoming: int = 0, force: bool = False) -> None: ...
+
+        def _usable(self) -> bool: ...
 
         @property
         def suspended(self) -> bool: ...
@@ -294,8 +425,6 @@ class FromTable:
             pass
         self._open_log()
         self._live_bytes += 250 * found.count  # what the table would take as index lines
-        if self._bring_all_after_start:
-            threading.Thread(target=self._bring_all, name="cachefs-restore", daemon=True).start()
         log.info("NVMe tier: %d files, %d blocks, %s, restored from the clean stop's entry table; each "
                  "file's is checked at a stat before it is served", found.count, found.blocks,
                  format_size(found.used))
@@ -312,9 +441,14 @@ class FromTable:
         return None if t is None or not 0 <= n < t.count else t.row(n)
 
     def table_eid_size(self, n: int) -> tuple[bytes, int] | None:
-        """Record n's entry id and file size (Table.eid_size)."""
+        """Record n's entry id and file size (Table.eid_size), to count the open of its
+        table node: a restored record's is remembered for that count (Restored.found)."""
         t = self._nodes_table()
-        return None if t is None or not 0 <= n < t.count else t.eid_size(n)
+        found = None if t is None or not 0 <= n < t.count else t.eid_size(n)
+        r = self._restored
+        if found is not None and r is not None and t is r.table:
+            r.found(found[0], n)
+        return found
 
     def table_find(self, path: str | None = None, eid: bytes | None = None) -> int | None:
         """The record of that table holding `path`'s newest version, or entry `eid`."""
@@ -351,7 +485,7 @@ class FromTable:
         n = r.table.find_path(path)
         if n is None or n in r.unpathed or not r.cold(n):
             return None
-        row = r.table.row(n)
+        row = r.row(n)
         return None if row is None else (n, row)
 
     # -- entries restored from the table ------------------------------------------------------
@@ -362,12 +496,37 @@ class FromTable:
         if e is None and r is not None and r.files:
             n = r.table.find(eid)  # (read before the lock: a read may wait on the disk)
             if n is not None:
-                row = r.table.row(n) if r.cold(n) else None
+                row = r.row(n) if r.cold(n) else None
                 with self._lock:  # (the bring-in marks a record taken before its entry is in memory)
                     if r.cold(n):
                         r.take(n, row)
                     e = self._entries.get(eid)
         return e
+
+    def needs_check(self, eid: bytes) -> bool:
+        """A cold record the restart check trusted needs none (and is not brought in to say so)."""
+        r = self._restored
+        if eid not in self._entries and r is not None and r.files:
+            n = r.table.find(eid)
+            if n is not None and r.state[n] == TRUSTED:
+                return False
+        return super().needs_check(eid)  # type: ignore[misc]
+
+    def hit_whole(self, eids: list[bytes]) -> list[bool]:
+        """FileStore.hit_whole, where a whole file of one block restored from the table and
+        not brought in since stays out of memory: its hit goes into the cold set's columns
+        (Restored.touch), no entry is made for it."""
+        r = self._restored
+        if r is None or not r.files:
+            return super().hit_whole(eids)  # type: ignore[misc,no-any-return]
+        entries = self._entries
+        cold = [eid not in entries and r.whole_cold(eid) for eid in eids]
+        rest = iter(super().hit_whole([eid for eid, c in zip(eids, cold, strict=True) if not c]))  # type: ignore[misc]
+        with self._lock:
+            usable = self._usable()
+            if usable:
+                self.policy.hit_many([(eid, 0) for eid, c in zip(eids, cold, strict=True) if c])
+        return [usable if c else next(rest) for c in cold]
 
     def _bring(self, n: int, row: Row, trusted: bool, held: list[tuple[int, int]]) -> None:
         """Record n of the table into memory: its entry, and its blocks (`held`, with their
@@ -376,39 +535,8 @@ class FromTable:
         r = self._restored
         if row.newest and r is not None and n not in r.unpathed and row.path not in self._paths:
             self._paths[row.path] = row.eid
-        self.policy.restore([((row.eid, i), size) for i, size in held])
-
-    def _bring_all(self) -> None:
-        """In the background after a start from the table: every entry into memory, in
-        the table's order, 64 at a time (read outside the tier's lock), at a low priority. An epoch that
-        brought in each entry as it first touched it ran at 0.70-0.74x the version that
-        replayed the index at the mount (200,000 files, the first epoch after a remount;
-        with everything brought in first, 0.95x): each first touch took the tier's lock
-        and read the table on the open's path. The mount does not wait for this; what is
-        touched before it gets there is brought in by its toucher."""
-        r = self._restored
-        if r is None:
-            return
-        behind_serving()  # (the walk after a remount runs meanwhile)
-        for start in range(0, r.table.count, 64):
-            if self._stop.is_set():
-                return
-            rows = [(n, r.table.row(n)) for n in range(start, min(start + 64, r.table.count)) if r.cold(n)]
-            # The restart check of each, as _check_restored's (which it overtakes): an entry
-            # brought in unchecked cost its first open a stat on the serving path.
-            good = [self._check_in_background and row is not None and r.state[n] != TRUSTED
-                    and self._row_unchanged(row) for n, row in rows]
-            trusted = 0
-            with self._lock:
-                for (n, row), ok in zip(rows, good, strict=True):
-                    if r.cold(n):
-                        if ok:
-                            r.trust(n)
-                            trusted += 1
-                        r.take(n, row)
-            if trusted:
-                self._stats.incr("disk.trusted_files", trusted)
-            time.sleep(0)  # the GIL to whoever waits for it
+        # (as last read while cold, if it was: Restored.touch)
+        self.policy.restore([((row.eid, i), size) for i, size in held], *(r.ticks[n], r.whens[n]) if r else ())
 
     def _lost(self, eid: bytes) -> None:
         """A restored record failed its CRC: its file goes (fetched again when read)."""
@@ -458,5 +586,5 @@ class FromTable:
 
     def _cold_blocks(self) -> list[BlockKey]:
         r = self._restored
-        return [] if r is None else [key for key, _ in r.oldest()]  # type: ignore[misc]
+        return [] if r is None else cast(list[BlockKey], list(r.keys()))
 
