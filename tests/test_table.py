@@ -192,6 +192,19 @@ def test_a_record_read_while_cold_outlasts_those_not_read_and_goes_by_its_last_r
     check(t2)
 
 
+def test_a_hard_cut_takes_the_records_not_read_first_then_those_read_by_their_last_read(disk):
+    t = disk()
+    for n in range(10):
+        put(t, n, bytes([n]) * 3000)  # 4 KiB each on disk
+    t.close()
+    t2 = disk()
+    assert t2.hit_whole([eid(n) for n in (3, 1, 2)]) == [True] * 3
+    with t2._lock:
+        victims = t2.policy.shrink(9 * 4096)
+    assert [key[0] for key in victims] == [eid(n) for n in (0, 4, 5, 6, 7, 8, 9, 3, 1)]
+    assert t2.policy.keys() == [(eid(2), 0)]
+
+
 @pytest.mark.usefixtures("no_margin")
 def test_a_record_the_restart_check_trusted_needs_no_check_and_stays_cold(disk):
     t = disk()

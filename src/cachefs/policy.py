@@ -371,12 +371,18 @@ class Policy:
             victims.append(key)
             self.remove(key)
         for pinned_too in (False, True):  # pins go last: a hard budget beats a hint
-            for key, size, _, _ in list(self._by_access()):
+            chosen = []  # (removed after the walk, which reads the entries as it goes)
+            for key, size, _, _ in self._by_access():
                 if freed >= need:
-                    return victims
-                if (pinned_too or key not in self._pins) and self.remove(key):
+                    break
+                if pinned_too or key not in self._pins:
+                    chosen.append(key)
                     freed += size
-                    victims.append(key)
+            for key in chosen:
+                self.remove(key)
+            victims += chosen
+            if freed >= need:
+                break
         return victims
 
     # -- policy ------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from cachefs.policy import Policy
 from cachefs.stats import Stats
 from cachefs.tiers import index, table
 from cachefs.tiers.checks import Synced
-from cachefs.tiers.entry import Entry
+from cachefs.tiers.entry import Entry, allocated
 from cachefs.tiers.layout import replace_durably
 from cachefs.tiers.table import Row, Table, block_bytes
 
@@ -177,8 +177,8 @@ class Restored:
                 i += 1
                 continue
             found = self.table.eid_size(n)
-            if found is not None:
-                yield (found[0], 0), found[1], listed[i], self.whens[n]
+            if found is not None:  # (a file of one block: its size on disk, as the policy counts it)
+                yield (found[0], 0), allocated(found[1]), listed[i], self.whens[n]
             i += 1
 
     def warm(self, key: Hashable) -> bool:
