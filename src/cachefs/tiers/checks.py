@@ -200,7 +200,9 @@ class Checks:
         memory that follows. False if the tier is closing."""
         debt = 0.0
         trusted = 0
-        for n, row, _ in restored.rows():
+        for n, row, done in restored.rows():
+            if done:
+                continue  # trusted already (by needs_check, ahead of this pass)
             ok = self._row_unchanged(row)
             with self._lock:
                 if restored.cold(n):

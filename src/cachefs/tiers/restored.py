@@ -121,7 +121,7 @@ class Restored:
         row = self.table.row(n)
         return row is not None and 0 <= block < len(row.hashes) and row.hashes[block] is not None
 
-    def _single(self, n: int) -> bool:
+    def _single(self, n: int) -> bool:  # (a whole file of one block: its shape, read once)
         shape = self.shape[n]
         if shape == UNKNOWN:
             row = self.table.row(n)
@@ -298,6 +298,7 @@ class FromTable:
         _live_bytes: int
         _log_fd: int
         _confirmed: bool
+        _check_in_background: bool
         _stats: Stats
         policy: Policy
 
@@ -504,12 +505,21 @@ class FromTable:
         return e
 
     def needs_check(self, eid: bytes) -> bool:
-        """A cold record the restart check trusted needs none (and is not brought in to say so)."""
+        """A cold record the restart check trusted needs none; one its pass has not reached
+        (directory read-ahead runs ahead of it) is checked here, at one stat, left cold."""
         r = self._restored
         if eid not in self._entries and r is not None and r.files:
             n = r.table.find(eid)
             if n is not None and r.state[n] == TRUSTED:
                 return False
+            if n is not None and r.state[n] == COLD and self._check_in_background:
+                row = r.row(n)
+                if row is not None and self._row_unchanged(row):
+                    with self._lock:
+                        if r.state[n] == COLD:
+                            r.trust(n)
+                            self._stats.incr("disk.trusted_files")
+                    return False
         return super().needs_check(eid)  # type: ignore[misc]
 
     def hit_whole(self, eids: list[bytes]) -> list[bool]:
