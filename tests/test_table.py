@@ -192,6 +192,33 @@ def test_a_record_read_while_cold_outlasts_those_not_read_and_goes_by_its_last_r
     check(t2)
 
 
+def test_a_record_being_brought_in_is_held_to_a_reader_asking_meanwhile(disk):
+    """A read asks whether a block is held without the tier's lock: a record another
+    thread is bringing in (its state taken, its keys not yet the policy's) is waited for,
+    not answered "not held" (the reader fetched the block from the source again)."""
+    import threading
+
+    t = disk()
+    for n in range(4):
+        put(t, n, bytes([n]) * 3000)
+    t.close()
+    t2 = disk()
+    r = t2._restored
+    bring = r._bring
+
+    def slow_bring(*args):
+        time.sleep(0.3)
+        bring(*args)
+
+    r._bring = slow_bring
+    other = threading.Thread(target=t2.entry, args=(eid(2),))
+    other.start()
+    time.sleep(0.1)  # the other thread is inside the bring-in
+    assert (eid(2), 0) in t2 and eid(2) in t2._entries
+    other.join()
+    check(t2)
+
+
 def test_a_hard_cut_takes_the_records_not_read_first_then_those_read_by_their_last_read(disk):
     t = disk()
     for n in range(10):

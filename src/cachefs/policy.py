@@ -174,8 +174,8 @@ class Policy:
     def __contains__(self, key: Hashable) -> bool:
         if key in self._entries:
             return True
-        cold = self._cold
-        return cold is not None and cold.count > 0 and cold.holds(key)
+        cold = self._cold  # (a key brought in while asked is in the entries after holds)
+        return cold is not None and (cold.holds(key) or key in self._entries)
 
     def __len__(self) -> int:
         return len(self._entries) + (self._cold.count if self._cold is not None else 0)

@@ -86,13 +86,11 @@ class Restored:
             return row
         return row._replace(stored_at=max(checked, 0.0))
 
-    def stamp(self, n: int, when: float) -> None:
-        """Record n's attributes are the source's as of `when` (0: they are not)."""
+    def stamp(self, n: int, when: float) -> None:  # its attributes the source's as of `when` (0: not)
         self.checked[n] = when or OUTDATED
 
     def found(self, eid: bytes, n: int) -> None:
-        """Entry `eid` is record n (the caller read it there): whole_cold and touch need
-        not look it up again (a table node's open is counted by its record's entry id)."""
+        """Entry `eid` is record n (read there by the caller): not looked up again."""
         if len(self._found) > 2048:
             self._found.clear()
         self._found[eid] = n
@@ -109,13 +107,15 @@ class Restored:
         return True
 
     def holds(self, key: Hashable) -> bool:
-        """Whether the cold set holds block `key`, without bringing its record in."""
+        """Whether the cold set holds block `key`, without bringing its record in (asked
+        without the tier's lock: a record being brought in is waited for)."""
         eid, block = cast(BlockKey, key)
         n = self._found.get(eid)
-        if n is None:
-            n = self.table.find(eid)
-        if n is None or self.state[n] >= WARM:
+        if n is None and (n := self.table.find(eid)) is None:
             return False
+        if self.state[n] >= WARM:
+            with self._lock:  # (after a bring-in the policy's entries have its keys)
+                return False
         if self._single(n):
             return block == 0
         row = self.table.row(n)
