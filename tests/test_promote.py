@@ -6,6 +6,9 @@ from __future__ import annotations
 import errno
 import os
 import threading
+import time
+
+import pytest
 
 from cachefs.stats import Stats
 from cachefs.tiers import promote as promote_mod
@@ -14,7 +17,7 @@ from cachefs.tiers.entry import allocated
 from cachefs.tiers.memory import MemoryTier
 from cachefs.tiers.multilevel import MultiLevelCache
 from cachefs.tiers.promote import Promoter
-from tests.test_tiers import BS, eid, info, put
+from tests.test_tiers import BS, eid, info, no_margin, put  # noqa: F401  (no_margin: a fixture)
 
 
 def _cache(tmp_path, ram_size: int = 1 << 20) -> tuple[MultiLevelCache, Stats]:
@@ -185,5 +188,34 @@ def test_a_failed_copy_leaves_a_file_a_write_of_ram_s_own_made_meanwhile(tmp_pat
     monkeypatch.setattr(promote_mod, "_kernel_copy", copy_fails)
     assert not Promoter(cache.ram, cache.disk, Stats()).promote(eid(1))
     assert _ram_bytes(cache, 1) == data and cache.ram.get((eid(1), 0)) == data
+    cache.ram.check()
+    cache.close()
+
+
+@pytest.mark.usefixtures("no_margin")
+def test_a_file_left_in_the_entry_table_is_promoted_from_its_record_and_stays_there(tmp_path):
+    """After a remount, a promotion of a whole file of one block restored from the table
+    copies it from its record (checked at one stat if the restart check has not reached it),
+    without bringing it into the NVMe tier's memory; a file written to while nothing ran is
+    not copied from its record, and never with its new bytes."""
+    stats = Stats()
+    disk = DiskTier(str(tmp_path / "store"), 8 << 20, stats, scrub=False)
+    data = {n: os.urandom(3000 + n) for n in range(6)}
+    for n, d in data.items():
+        assert put(disk, n, d)
+    time.sleep(0.05)
+    disk.close()
+    with open(disk.file_of(eid(5).hex()), "r+b") as f:   # written to while nothing runs
+        f.write(b"X")
+    disk = DiskTier(str(tmp_path / "store"), 8 << 20, stats, scrub=True)
+    cache = MultiLevelCache(MemoryTier(1 << 20, stats), disk, stats)
+    assert cache.count_opens([(eid(n), len(d), True) for n, d in data.items()]) == ["disk"] * 6
+    assert cache.settle_promotions(10)
+    assert [cache.in_ram(eid(n)) for n in data] == [True] * 5 + [False]
+    assert all(_ram_bytes(cache, n) == data[n] for n in range(5))
+    assert stats.get("ram.promotions") == 5 and stats.get("disk.trusted_files") >= 5
+    assert set(disk._entries) <= {eid(5)}                 # the five copied stayed in the table
+    assert cache.ram.entry(eid(2)).hashes == disk._restored.table.row(disk._restored.table.find(eid(2))).hashes
+    assert cache.ram.info_of(eid(2)) == info("/f2", 3002)
     cache.ram.check()
     cache.close()

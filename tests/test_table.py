@@ -364,7 +364,6 @@ def test_a_stop_with_nothing_changed_since_the_start_keeps_the_table(disk, monke
 
 
 @pytest.mark.usefixtures("no_margin")
-@pytest.mark.usefixtures("no_margin")
 def test_the_restart_check_trusts_unchanged_files_and_leaves_them_in_the_table(disk):
     """After a clean stop each record's file is checked at one stat, off the serving path,
     and left in the table; a file changed since is brought in unverified, and its bytes

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 from cachefs.config import format_size
 from cachefs.policy import Policy
 from cachefs.tiers import table
+from cachefs.tiers.coldset import Restored
 from cachefs.tiers.entry import Entry
-from cachefs.tiers.restored import Restored, row_of
+from cachefs.tiers.restored import row_of
 from cachefs.tiers.table import Row, Table
 
 log = logging.getLogger(__name__)

@@ -32,7 +32,7 @@ from cachefs.tiers.entry import Entry
 from cachefs.tiers.layout import block_hash
 
 if TYPE_CHECKING:
-    from cachefs.tiers.restored import Restored
+    from cachefs.tiers.coldset import Restored
     from cachefs.tiers.table import Row
 
 log = logging.getLogger(__name__)

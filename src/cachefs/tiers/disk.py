@@ -53,9 +53,10 @@ from cachefs.stats import Stats
 from cachefs.tiers import index
 from cachefs.tiers.checkpoint import Checkpoints
 from cachefs.tiers.checks import Checks, Synced, mark_synced
+from cachefs.tiers.coldset import Restored
 from cachefs.tiers.entry import Entry, allocated
 from cachefs.tiers.layout import replace_durably
-from cachefs.tiers.restored import FromTable, Restored
+from cachefs.tiers.restored import FromTable
 from cachefs.tiers.store import FileStore
 from cachefs.tiers.table import Table
 

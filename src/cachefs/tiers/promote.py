@@ -10,7 +10,8 @@ path every request waits behind.
 
 A file of one block (every file of an ImageFolder tree of JPEGs) is copied by the kernel
 (`sendfile` from the NVMe file into a new RAM file, no bytes in Python) and the RAM tier
-adopts it with the block's hash the NVMe tier recorded; a file of several blocks (up to
+adopts it with the block's hash the NVMe tier recorded (from its record in the entry
+table when it was restored there and not brought into memory: DiskTier.cold_copy); a file of several blocks (up to
 WHOLE_FILE_MAX) is copied block by block through `FileStore.put`. The queue is bounded
 (PROMOTE_QUEUE): an open that finds it full promotes nothing, and a later open of the
 file queues it again. Listeners hear of each file promoted (the file system takes back a
@@ -109,19 +110,30 @@ class Promoter:
         ram, disk = self._ram, self._disk
         if ram.backing_file(eid) is not None:
             return False  # RAM took it meanwhile
-        path = disk.backing_file(eid)  # (checked since the start, or None)
-        e = disk.entry(eid)
-        info = disk.info_of(eid)
-        if path is None or e is None or info is None or not ram.has_room(e.size):
+        cold = disk.cold_copy(eid)  # a record restored from the table, left there
+        e: Entry | None = None
+        path: str | None
+        h: int | None
+        if cold is not None:
+            path, size, h, info = cold
+        else:
+            path = disk.backing_file(eid)  # (checked since the start, or None)
+            e = disk.entry(eid)
+            found = disk.info_of(eid)
+            if path is None or e is None or found is None:
+                return False
+            size, h, info = e.size, e.hashes[0] if len(e.hashes) == 1 else None, found
+        if not ram.has_room(size):
             return False
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return False  # dropped meanwhile
         try:
-            if len(e.hashes) == 1 and e.hashes[0] is not None:
-                done = self._copy_file(eid, fd, e.size, e.hashes[0], info)
+            if h is not None:
+                done = self._copy_file(eid, fd, size, h, info)
             else:
+                assert e is not None
                 done = self._copy_blocks(eid, fd, e, info)
             if done:  # the NVMe copy's pages would be a second copy in memory
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)

@@ -1,15 +1,9 @@
-"""The entries a start of the NVMe tier found in its entry table (cachefs/tiers/table.py)
-and has not brought into memory: a mount after a clean stop checks the table's header and
-reads nothing else, and an entry becomes a Python object only when the daemon needs one (a
-read or an open it serves, a file of several blocks hit, the restart check finding it
-changed, the policy taking it as a victim); a lookup of its path reads its record.
-
-What is kept per record is a few flat columns, 22 bytes: its state, its shape once read,
-the policy's last access to it (tick and clock time) and when a check last found its
-attributes to be the source's. A record stays cold when a check confirms it, and a whole
-file of one block (an image; the files table nodes stand for) when its opens are counted
-as hits too: an entry in memory costs about 1 KB (its `Entry`, `Row`, `Attr` and the policy's tuples), and
-an epoch after a remount used to bring every record in.
+"""DiskTier's side of its entry table (cachefs/tiers/table.py): writing it at a clean stop,
+a start from it (a mount after a clean stop checks the table's header and reads nothing
+else), and its records brought into memory as the daemon needs them (a read or an open it
+serves, a file of several blocks hit, the restart check finding it changed, the policy
+taking it as a victim); a lookup of its path reads its record. Records not brought in
+are the cold set (cachefs/tiers/coldset.py).
 """
 
 from __future__ import annotations
@@ -19,249 +13,21 @@ import os
 import random
 import threading
 import time
-from array import array
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
 from cachefs.config import format_size
-from cachefs.identity import BlockKey
+from cachefs.identity import BlockKey, EntryInfo
 from cachefs.policy import Policy
 from cachefs.stats import Stats
 from cachefs.tiers import index, table
 from cachefs.tiers.checks import Synced
-from cachefs.tiers.entry import Entry, allocated
+from cachefs.tiers.coldset import COLD, TRUSTED, WARM, Restored
+from cachefs.tiers.entry import Entry
 from cachefs.tiers.layout import replace_durably
-from cachefs.tiers.table import Row, Table, block_bytes
+from cachefs.tiers.table import Row, Table
 
 log = logging.getLogger(__name__)
-
-COLD = 0      # in the table only
-TRUSTED = 1   # in the table only, and the restart check found its file as the clean stop left it
-WARM = 2      # brought into memory (or dropped since: the tier's entries say)
-GONE = 3      # its record failed its CRC (its file deleted)
-
-UNKNOWN, SINGLE, OTHER = 0, 1, 2  # a record's shape, once read: a whole file of one block, or not
-OUTDATED = -1.0  # in Restored.checked: its attributes are not the source's (their time 0)
-
-
-class Restored:
-    """The cold set of a DiskTier's policy (cachefs.policy.Cold). `bring(n, row, trusted,
-    held)` is the tier's: make record n's entry (the row read and checked; `held`: its
-    blocks and their sizes) and hand its blocks to `Policy.restore`. Called with the
-    tier's lock held, as the policy is."""
-
-    def __init__(self, table: Table, bring: Callable[[int, Row, bool, list[tuple[int, int]]], None],
-                 lost: Callable[[bytes], None], lock: threading.RLock):
-        self.table = table
-        self.state = bytearray(table.count)
-        self.count = table.blocks   # blocks held cold
-        self.used = table.used      # their bytes, as the policy counts them
-        self.files = table.count    # records still cold
-        self._bring = bring
-        self._lost = lost  # told the id of a record that failed its CRC (as far as it reads)
-        self._lock = lock  # the tier's: a policy query can come without it (probably_has)
-        self._first = 0             # no record before it is cold and unread (see oldest)
-        self.unpathed: set[int] = set()  # records whose path has a newer entry since the start
-        # hits on records left cold (Policy.hit_many -> touch): the policy's tick of the
-        # last (0: none since the start) and its clock time; each record's shape
-        self.ticks = array("q", bytes(8 * table.count))
-        self.whens = array("f", bytes(4 * table.count))
-        self.shape = bytearray(table.count)
-        # when each record's attributes were last found to be the source's since the start
-        # (wall clock; 0: not since, OUTDATED: found changed): its `stored_at` then
-        self.checked = array("d", bytes(8 * table.count))
-        self.read = 0               # cold records read since the start
-        self.touches = 0            # hits on them
-        self._found: dict[bytes, int] = {}  # whole_cold's answers, for the touch that follows
-        self._by_tick = array("i")     # read_oldest's records, by tick as they were listed,
-        self._listed_ticks = array("q")  # those ticks,
-        self._listed_at = 0              # `touches` when they were listed,
-        self._listed_from = 0            # and the first that may still be cold and unread since
-
-    def row(self, n: int) -> Row | None:
-        """Record n (Table.row), with its attributes' time as checked since the start."""
-        row = self.table.row(n)
-        checked = self.checked[n]
-        if row is None or not checked:
-            return row
-        return row._replace(stored_at=max(checked, 0.0))
-
-    def stamp(self, n: int, when: float) -> None:  # its attributes the source's as of `when` (0: not)
-        self.checked[n] = when or OUTDATED
-
-    def found(self, eid: bytes, n: int) -> None:
-        """Entry `eid` is record n (read there by the caller): not looked up again."""
-        if len(self._found) > 2048:
-            self._found.clear()
-        self._found[eid] = n
-
-    def _find(self, eid: bytes, forget: bool = False) -> int | None:
-        """Entry `eid`'s record number: as found() remembered it (`forget`: no longer), or probed."""
-        n = self._found.pop(eid, None) if forget else self._found.get(eid)
-        return self.table.find(eid) if n is None else n
-
-    def whole_cold(self, eid: bytes) -> bool:
-        """Whether entry `eid` is a cold record of a whole file of one block, which a hit
-        leaves cold (see touch)."""
-        n = self._find(eid)
-        if n is None or self.state[n] >= WARM or not self._single(n):
-            return False
-        self.found(eid, n)
-        return True
-
-    def holds(self, key: Hashable) -> bool:
-        """Whether the cold set holds block `key`, without bringing its record in (asked
-        without the tier's lock: a record being brought in is waited for)."""
-        eid, block = cast(BlockKey, key)
-        if (n := self._find(eid)) is None:
-            return False
-        if self.state[n] >= WARM:
-            with self._lock:  # (after a bring-in the policy's entries have its keys)
-                return False
-        if self._single(n):
-            return block == 0
-        row = self.table.row(n)
-        return row is not None and 0 <= block < len(row.hashes) and row.hashes[block] is not None
-
-    def _single(self, n: int) -> bool:  # (a whole file of one block: its shape, read once)
-        shape = self.shape[n]
-        if shape == UNKNOWN:
-            row = self.table.row(n)
-            if row is None:
-                with self._lock:
-                    if self.state[n] < WARM:
-                        self._gone(n)
-                return False
-            shape = self.shape[n] = SINGLE if len(row.hashes) == 1 and row.hashes[0] is not None else OTHER
-        return shape == SINGLE
-
-    def touch(self, key: Hashable, tick: int, when: float) -> int | None:
-        """A hit on `key` that leaves its record cold (Cold.touch); the tier's lock held."""
-        eid, block = cast(BlockKey, key)
-        n = self._find(eid, forget=True) if block == 0 and self.files else None
-        if n is None or self.state[n] >= WARM or not self._single(n):
-            return None
-        before = self.ticks[n]
-        if not before:
-            self.read += 1
-        self.touches += 1
-        self.ticks[n] = tick
-        self.whens[n] = when
-        return before
-
-    def access(self, key: Hashable) -> tuple[int, float] | None:
-        """(tick, clock time) of a cold record's last hit since the start, or None."""
-        n = self._find(cast(BlockKey, key)[0])
-        if n is None or self.state[n] >= WARM or not self.ticks[n]:
-            return None
-        return self.ticks[n], self.whens[n]
-
-    def read_oldest(self) -> Iterator[tuple[Hashable, int, int, float]]:
-        """The cold records read since the start, as (key, size, tick, when), oldest tick
-        first (Cold.read_oldest), from a listing sorted by tick (about a second for 1.28
-        million: made again once the hits since outnumber a quarter of it). A record read
-        again since it was listed is left out until then (it is newer than any listed, and
-        no candidate to go first)."""
-        if self.touches - self._listed_at > max(1024, len(self._by_tick) // 4) or (self.read and not self._by_tick):
-            ticks = self.ticks
-            order = sorted((n for n in range(self.table.count) if ticks[n] and self.state[n] < WARM),
-                           key=ticks.__getitem__)
-            self._by_tick, self._listed_ticks = array("i", order), array("q", (ticks[n] for n in order))
-            self._listed_at, self._listed_from = self.touches, 0
-        by_tick, listed, i = self._by_tick, self._listed_ticks, self._listed_from
-        while i < len(by_tick):
-            n = by_tick[i]
-            if self.state[n] >= WARM or self.ticks[n] != listed[i]:
-                if i == self._listed_from and by_tick is self._by_tick:
-                    self._listed_from += 1  # gone for good from this listing
-                i += 1
-                continue
-            found = self.table.eid_size(n)
-            if found is not None:  # (a file of one block: its size on disk, as the policy counts it)
-                yield (found[0], 0), allocated(found[1]), listed[i], self.whens[n]
-            i += 1
-
-    def warm(self, key: Hashable) -> bool:
-        """Bring the entry of `key` (an (entry id, block) pair) into memory if it is cold;
-        whether that block is held."""
-        if not self.files:
-            return False
-        eid, block = cast(BlockKey, key)
-        n = self.table.find(eid)
-        if n is None:
-            return False
-        row = self.table.row(n) if self.state[n] < WARM else None  # (before the lock: may wait on the disk)
-        with self._lock:
-            row = self.take(n, row)
-        return row is not None and 0 <= block < len(row.hashes) and row.hashes[block] is not None
-
-    def take(self, n: int, row: Row | None = None) -> Row | None:
-        """Bring record n into memory (the tier's entry and the policy's keys; `row`: the
-        record already read); None if it was not cold, or fails its CRC (then it is
-        counted as held until the next clean stop writes a table without it: the budget
-        errs on the safe side)."""
-        state = self.state[n]
-        if state >= WARM:
-            return None
-        row = row or self.row(n)
-        if row is None:
-            self._gone(n)
-            return None
-        self.state[n] = WARM
-        self.files -= 1
-        held = block_bytes(row)
-        self.count -= len(held)
-        self.used -= sum(size for _, size in held)
-        self._bring(n, row, state == TRUSTED, held)
-        return row
-
-    def _gone(self, n: int) -> None:
-        self.state[n] = GONE
-        self.files -= 1
-        self._lost(self.table.eid_of(n))
-
-    def cold(self, n: int) -> bool:
-        return self.state[n] < WARM
-
-    def trust(self, n: int) -> None:
-        if self.state[n] == COLD:
-            self.state[n] = TRUSTED
-
-    def oldest(self) -> Iterator[tuple[Hashable, int]]:
-        """The cold blocks not read since the start in restore order (oldest `stored at`
-        first), with their sizes. Records that leave the cold set meanwhile are skipped."""
-        n = self._first
-        while n < self.table.count:
-            if self.state[n] >= WARM or self.ticks[n]:  # (a record read since is newer)
-                if n == self._first:
-                    self._first += 1
-                n += 1
-                continue
-            row = self.table.row(n)
-            if row is None:
-                self._gone(n)
-                n += 1
-                continue
-            for block, size in block_bytes(row):
-                if self.state[n] >= WARM:
-                    break
-                yield (row.eid, block), size
-            n += 1
-
-    def keys(self) -> Iterator[Hashable]:
-        """Every cold block, read since the start or not."""
-        for _n, row, _ in self.rows():
-            for block, _ in block_bytes(row):
-                yield row.eid, block
-
-    def rows(self) -> Iterator[tuple[int, Row, bool]]:
-        """(record number, row, trusted by the restart check) of every record still cold,
-        in restore order."""
-        for n in range(self.table.count):
-            if self.state[n] < WARM:
-                row = self.row(n)
-                if row is not None:
-                    yield n, row, self.state[n] == TRUSTED
 
 
 def row_of(e: Entry, now_ns: int) -> Row:
@@ -504,23 +270,38 @@ class FromTable:
                     e = self._entries.get(eid)
         return e
 
+    def _checked_cold(self, r: Restored, n: int) -> bool:
+        """Whether cold record n is checked since the start: trusted by the restart check, or,
+        its pass not there yet (directory read-ahead and promotions run ahead), here at one stat."""
+        if r.state[n] == COLD and self._check_in_background:
+            row = r.row(n)
+            if row is not None and self._row_unchanged(row):
+                with self._lock:
+                    if r.state[n] == COLD:
+                        r.trust(n)
+                        self._stats.incr("disk.trusted_files")
+        return r.state[n] == TRUSTED
+
     def needs_check(self, eid: bytes) -> bool:
-        """A cold record the restart check trusted needs none; one its pass has not reached
-        (directory read-ahead runs ahead of it) is checked here, at one stat, left cold."""
+        """A cold record checked since the start (_checked_cold) needs none, and stays cold."""
         r = self._restored
         if eid not in self._entries and r is not None and r.files:
             n = r.table.find(eid)
-            if n is not None and r.state[n] == TRUSTED:
+            if n is not None and r.state[n] < WARM and self._checked_cold(r, n):
                 return False
-            if n is not None and r.state[n] == COLD and self._check_in_background:
-                row = r.row(n)
-                if row is not None and self._row_unchanged(row):
-                    with self._lock:
-                        if r.state[n] == COLD:
-                            r.trust(n)
-                            self._stats.incr("disk.trusted_files")
-                    return False
         return super().needs_check(eid)  # type: ignore[misc]
+
+    def cold_copy(self, eid: bytes) -> tuple[str, int, int, EntryInfo] | None:
+        """(its file, size, block hash, info) if entry `eid` is a cold record of a whole file
+        of one block, checked since the start: what a promotion copies into RAM, leaving it cold."""
+        r = self._restored
+        if eid in self._entries or r is None or not r.files or not r.whole_cold(eid):
+            return None
+        n = r.table.find(eid)
+        row = None if n is None or not self._checked_cold(r, n) else r.row(n)
+        if row is None or row.hashes[0] is None or not self._usable():
+            return None
+        return self.file_of(eid.hex()), row.attr.size, row.hashes[0], EntryInfo(row.path, row.attr, row.block_size)
 
     def hit_whole(self, eids: list[bytes]) -> list[bool]:
         """FileStore.hit_whole, where a whole file of one block restored from the table and
