@@ -3,8 +3,11 @@ cached under, and each directory is checked once, by one listing with attributes
 restarted job costs the source a request per directory, not one per file (none where its
 listing was kept on the cache disk within the TTL: test_listings_core.py)."""
 
+import errno
 import shutil
 import time
+
+import pytest
 
 from cachefs.memsource import MemorySource
 from cachefs.stats import Stats
@@ -51,13 +54,16 @@ def test_lookups_come_from_the_index_and_one_listing_checks_the_directory(tmp_pa
     assert source.calls["stat"] == before["stat"]  # not one per file
     assert source.calls["read_range"] == before["read_range"]
     assert source.calls["listdir"] == before.get("listdir", 0) + 1
-    # the first lookup came from the index; the listing it set off answered the rest
-    assert 1 <= core.stats.get("metadata.index_hits") <= len(FILES)
+    # the lookups came from the index (its answers are not copied into the attributes
+    # cache: each is the index's), the listing the first set off confirmed them
+    assert core.stats.get("metadata.index_hits") >= len(FILES)
     assert core.stats.get("metadata.index_stale") == 0
     core.close()
 
 
-def test_a_listing_first_brings_the_attributes_and_the_index_is_not_needed(tmp_path):
+def test_a_listing_first_brings_the_attributes_and_confirms_the_index(tmp_path):
+    """A listing before any lookup checks the directory: every file the index holds is
+    confirmed, and its lookups are the index's (its attributes are not kept twice)."""
     source = MemorySource()
     core = _restarted(tmp_path, source, FILES)
     before = dict(source.calls)
@@ -66,7 +72,7 @@ def test_a_listing_first_brings_the_attributes_and_the_index_is_not_needed(tmp_p
         assert core.getattr(name).size == len(data)
     assert source.calls["stat"] == before["stat"]
     assert source.calls["listdir"] == before.get("listdir", 0) + 1
-    assert core.stats.get("metadata.index_hits") == 0
+    assert core.stats.get("metadata.index_hits") == len(FILES) and core.stats.get("metadata.hits") == 0
     core.close()
 
 
@@ -117,9 +123,14 @@ def test_after_its_check_a_directory_is_answered_from_the_index_for_what_the_che
             if name != "/d/f3":
                 assert core.getattr(name).size == len(data)
     assert source.calls["stat"] == before
-    assert core.stats.get("metadata.index_hits") >= 2 * 19 - 8
+    assert core.stats.get("metadata.index_hits") >= 2 * 19
+    assert core.getattr("/d/f3").size == len(b"rewritten")  # the check's attributes
+    for n in range(8):  # files not cached push the check's attributes of f3 out
+        source.add_file(f"/e/x{n}", b"x")
+        core.getattr(f"/e/x{n}")
+    before = source.calls["stat"]
     assert core.getattr("/d/f3").size == len(b"rewritten")
-    assert source.calls["stat"] == before + 1  # (let go by the cache too: asked again, not the index)
+    assert source.calls["stat"] == before + 1  # (let go by the cache: asked again, not the index)
     assert core.read("/d/f3", 0, 100) == b"rewritten"
     core.close()
 
@@ -143,8 +154,13 @@ def test_a_first_mount_answers_lookups_the_attributes_cache_let_go_from_the_inde
         for name, data in FILES.items():
             if name != "/d/f3":
                 assert core.getattr(name).size == len(data)
-    assert source.calls["stat"] == before and core.stats.get("metadata.index_hits") >= 2 * 19 - 8
+    assert source.calls["stat"] == before and core.stats.get("metadata.index_hits") >= 2 * (19 - 8)
     assert core.getattr("/d/f3").size == len(b"rewritten")  # not the cached version's attributes
+    for n in range(8):  # files not cached push f3's attributes out
+        source.add_file(f"/e/x{n}", b"x")
+        core.getattr(f"/e/x{n}")
+    before = source.calls["stat"]
+    assert core.getattr("/d/f3").size == len(b"rewritten")  # asked again, not the index
     assert source.calls["stat"] == before + 1
     assert core.read("/d/f3", 0, 100) == b"rewritten"
     core.close()
@@ -228,4 +244,32 @@ def test_a_confirmation_holds_when_another_thread_brings_the_entry_in_meanwhile(
     assert raced == ["/d/f5"]
     assert eid is not None and core.cache.table_record_of_entry(eid) == core.cache.table_record_of("/d/f5")
     assert core.cache.indexed_attr("/d/f5")[1] >= before  # type: ignore[index]
+    core.close()
+
+
+def test_the_index_s_answers_are_not_kept_twice_and_serve_while_the_source_is_down(tmp_path):
+    """After a restart a cached file's lookups are the index's every time: nothing is
+    copied into the attributes cache (it held an `Attr` per file, ~600 bytes with its
+    tuple and path), yet its attributes say how long they stay good (for the names the
+    file system publishes), and past that, while the source does not answer, they are
+    served as the attributes cache's stale ones are."""
+    source = MemorySource()
+    core = _restarted(tmp_path, source, FILES, metadata_ttl=2.0)
+    meta = core.metadata
+    for name, data in FILES.items():
+        assert core.getattr(name).size == len(data)
+    _checked(core, "/d")
+    assert not any(path in meta._attrs._data for path in FILES)        # the directory's, at most
+    attr, expiry = meta.attr_expiry("/d/f5")
+    assert attr.size == len(FILES["/d/f5"]) and 0 < expiry - time.monotonic() <= 2.0
+    time.sleep(2.1)                                                     # past the TTL
+    source.faults[("stat", "*")] = errno.ETIMEDOUT
+    source.faults[("listdir", "*")] = errno.ETIMEDOUT
+    assert core.getattr("/d/f5").size == len(FILES["/d/f5"])           # the index's, however old
+    assert core.stats.get("metadata.stale_served") >= 1
+    assert core.read("/d/f5", 0, 100) == FILES["/d/f5"][:100]
+    del source.faults[("stat", "*")]
+    source.faults[("stat", "/d/f6")] = errno.EIO                        # an answer, not the source down
+    with pytest.raises(OSError):
+        core.getattr("/d/f6")
     core.close()

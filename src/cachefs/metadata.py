@@ -56,6 +56,7 @@ class Metadata:
         self.block_size = block_size
         self.metadata_ttl = metadata_ttl
         self.negative_ttl = negative_ttl
+        self._clock = clock
         self._attrs = TTLCache(max_entries, clock)
         self._dirs = TTLCache(max(1, max_entries // 10), clock)
         self._xattr_cache = TTLCache(max_entries, clock)
@@ -125,7 +126,7 @@ class Metadata:
             self._attrs.put(path, errno.ENOENT, self.negative_ttl)
             raise
         except OSError as exc:
-            stale = self._stale(self._attrs, path, exc)
+            stale = self._stale(self._attrs, path, exc, self._index_stale)
             if isinstance(stale, int):
                 raise FileNotFoundError(stale, "no such file (cached)", path) from None
             return stale  # type: ignore[return-value]
@@ -154,9 +155,13 @@ class Metadata:
         """The attributes known for `path` and when they are due for a check on the
         source (the clock's time, time.monotonic by default); None if none are known."""
         known = self._attrs.expiry(path)
-        if known is None or not isinstance(known[0], Attr):
-            return None
-        return known[0], known[1]
+        if known is not None and isinstance(known[0], Attr):
+            return known[0], known[1]
+        if known is None and self._index_answers and self._attrs.get(path) is None:
+            indexed = self._index_answer(path)  # (not kept here: see _index_answer)
+            if indexed is not None:
+                return indexed[0], self._clock() + indexed[1]
+        return None
 
     def attrs_of(self, paths: list[str], fetch: bool = False) -> dict[str, Attr]:
         """The attributes of those of `paths` the daemon knows (known_attr); with `fetch`,
@@ -325,20 +330,27 @@ class Metadata:
 
     def _indexed(self, path: str) -> Attr | None:
         """A lookup answered from the NVMe tier's index (see __init__), or None."""
+        found = self._index_answer(path)
+        return None if found is None else found[0]
+
+    def _index_answer(self, path: str) -> tuple[Attr, float] | None:
+        """(attributes, seconds they stay good) of a lookup answered from the NVMe tier's
+        index, or None. Not copied into the attributes cache: the index keeps them (a
+        record of the entry table after a restart, 22 bytes of columns), and a copy there
+        was ~600 bytes per file (the `Attr`, its integers, the cache's tuple, the path)."""
         known = self._cache.indexed_attr(path)
         if known is None:
             return None
         attr, stored_at = known
-        left = self.metadata_ttl - (time.time() - stored_at)
+        left = min(self.metadata_ttl - (time.time() - stored_at), self.metadata_ttl)
         if left <= 0:
             return None  # too old
         directory, _, name = path.rpartition("/")
         directory = directory or "/"
         first = False
         if not self._index_checks:  # every entry was stored in this mount, from the source (see _learned)
-            self._attrs.put(path, attr, min(left, self.metadata_ttl))
             self.stats.incr("metadata.index_hits")
-            return attr
+            return attr, left
         with self._check_lock:
             checked = self._checked_dirs.get(directory)
             if checked is None:  # answered before its check, which compares it
@@ -354,11 +366,10 @@ class Metadata:
                 # million files, more than it holds, each of those lookups was a stat on
                 # the source).
                 return None
-        self._attrs.put(path, attr, min(left, self.metadata_ttl))
         self.stats.incr("metadata.index_hits")
         if first:
             self._check_soon(directory)
-        return attr
+        return attr, left
 
     def rows_serving(self, directory: str) -> None:
         """The serving processes answer lookups in `directory` from the NVMe tier's entry
@@ -417,6 +428,7 @@ class Metadata:
                 continue
             if FileId.of(prefix + name, known[0]).matches(attr):
                 self._confirm(prefix + name)
+                self._attrs.pop(prefix + name)  # the index answers for it (see _index_answer)
             elif name in answered:
                 self.stats.incr("metadata.index_stale")
                 self._on_changed(prefix + name)  # the kernel may hold the old attributes
@@ -447,15 +459,24 @@ class Metadata:
             except OSError:
                 pass  # the job's own lookups see the error
 
-    def _stale(self, cache: TTLCache, path: str, exc: OSError) -> object:
+    def _stale(self, cache: TTLCache, path: str, exc: OSError,
+               also: Callable[[str], object | None] | None = None) -> object:
         """While the source does not answer, expired metadata is better than none: the
-        files it names may be cached in full. Re-raises `exc` otherwise."""
+        files it names may be cached in full (`also`: where else to look). Re-raises `exc`
+        otherwise."""
         if exc.errno in SOURCE_DOWN:
             stale = cache.get_stale(path)
+            if stale is None and also is not None:
+                stale = also(path)
             if stale is not None:
                 self.stats.incr("metadata.stale_served")
                 return stale
         raise exc
+
+    def _index_stale(self, path: str) -> Attr | None:
+        """The attributes the NVMe tier's index holds for `path`, however old (_stale)."""
+        known = self._cache.indexed_attr(path) if self._index_answers else None
+        return None if known is None else known[0]
 
     def readlink(self, path: str) -> str:
         return self._guard.call("readlink", self.source.readlink, path)
