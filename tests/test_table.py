@@ -57,6 +57,8 @@ def test_rows_round_trip_and_are_found_by_id_and_by_path(tmp_path):
     assert t.eid_size(5) is None
     assert t.find_path("/d/f\n1") == 4                             # the newest version of a path
     assert t.find_path("/caf\udce9") == 1 and t.find(eid(9)) is None and t.find_path("/nope") is None
+    assert t.path_row("/d/f\n1") == (4, rows[4]._replace(newest=True)) and t.path_row("/nope") is None
+    assert t.path_row("/big") == (3, rows[3]._replace(newest=True))
 
 
 def test_a_damaged_record_is_not_there_and_a_damaged_header_is_no_table(tmp_path):
@@ -67,6 +69,7 @@ def test_a_damaged_record_is_not_there_and_a_damaged_header_is_no_table(tmp_path
         f.write(b"\xff")
     t = Table(path, 5)
     assert t.row(0) == row(1, "/a")._replace(newest=True) and t.row(1) is None and t.find(eid(2)) == 1
+    assert t.path_row("/a") == (0, t.row(0)) and t.path_row("/b") is None and t.find_path("/b") == 1
     with pytest.raises(ValueError):
         Table(path, 6)                                             # not the table the index names
     with open(path, "r+b") as f:

@@ -65,9 +65,10 @@ class Restored:
         self._listed_at = 0              # `touches` when they were listed,
         self._listed_from = 0            # and the first that may still be cold and unread since
 
-    def row(self, n: int) -> Row | None:
-        """Record n (Table.row), with its attributes' time as checked since the start."""
-        row = self.table.row(n)
+    def row(self, n: int, row: Row | None = None) -> Row | None:
+        """Record n (Table.row, or `row` read already), with its attributes' time as
+        checked since the start."""
+        row = row or self.table.row(n)
         checked = self.checked[n]
         if row is None or not checked:
             return row

@@ -249,11 +249,11 @@ class FromTable:
         r = self._restored
         if r is None or not r.files:
             return None
-        n = r.table.find_path(path)
-        if n is None or n in r.unpathed or not r.cold(n):
+        found = r.table.path_row(path)
+        if found is None or found[0] in r.unpathed or not r.cold(found[0]):
             return None
-        row = r.row(n)
-        return None if row is None else (n, row)
+        row = r.row(*found)
+        return None if row is None else (found[0], row)
 
     # -- entries restored from the table ------------------------------------------------------
 

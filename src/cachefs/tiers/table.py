@@ -212,14 +212,17 @@ class Table:
 
     def row(self, n: int) -> Row | None:
         """Record `n`, or None if it fails its CRC (or cannot be read)."""
-        at = HEADER.size + n * RECORD.size
+        return self._row(self._read(HEADER.size + n * RECORD.size, RECORD.size))
+
+    def _row(self, rec: bytes, pb: bytes | None = None) -> Row | None:
+        """The row of record `rec` (its path `pb` if read already), or None (see row)."""
         try:
-            rec = self._read(at, RECORD.size)
             f = RECORD.unpack(rec)
             eid, stored_at, synced_ns, block_size, nblocks, path_off, path_len, flags, crc, aux_off, hash0 = f[:11]
             if not 0 < nblocks <= (1 << 32) or block_size <= 0 or path_off + path_len > self.size:
                 return None
-            pb = self._read(path_off, path_len)
+            if pb is None:
+                pb = self._read(path_off, path_len)
             aux = b""
             if nblocks == 1:
                 hashes: list[int | None] = [hash0]
@@ -266,14 +269,28 @@ class Table:
 
     def find_path(self, path: str) -> int | None:
         """The record number of the newest entry of `path`, or None."""
+        found = self._find_path(path)
+        return None if found is None else found[0]
+
+    def path_row(self, path: str) -> tuple[int, Row] | None:
+        """(record number, row) of the newest entry of `path`, or None (none, or its record
+        fails its CRC): the record read once (a lookup's answer after a restart)."""
+        found = self._find_path(path)
+        if found is None:
+            return None
+        row = self._row(found[1], found[2])
+        return None if row is None else (found[0], row)
+
+    def _find_path(self, path: str) -> tuple[int, bytes, bytes] | None:
+        """(record number, record, path bytes) of the newest entry of `path`, or None."""
         pb = path.encode(FS_ENCODING, FS_ERRORS)
         for n in self._probe(self._by_path, xxhash.xxh3_64_intdigest(pb)):
-            head = self._read(HEADER.size + n * RECORD.size, _CRC_AT)
-            if len(head) < _CRC_AT:
+            rec = self._read(HEADER.size + n * RECORD.size, RECORD.size)
+            if len(rec) < _CRC_AT:
                 continue
-            _, _, _, _, _, path_off, path_len = struct.unpack_from("<16sdqIIQH", head)
+            _, _, _, _, _, path_off, path_len = struct.unpack_from("<16sdqIIQH", rec)
             if path_len == len(pb) and self._read(path_off, path_len) == pb:
-                return n
+                return n, rec, pb
         return None
 
     def eid_of(self, n: int) -> bytes:
