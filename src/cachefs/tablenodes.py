@@ -127,7 +127,7 @@ class TableNodeOwner:
 
     def _start_checkpoints(self) -> None:
         table = self._table
-        if table is not None and table.room and not self._rows:
+        if table is not None and table.room and not self._rows and not self._acl_blind():
             self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="cachefs-checkpoint",
                                                   daemon=True)
             self._checkpointer.start()
@@ -443,11 +443,17 @@ class TableNodeOwner:
             (log.debug if exc.errno in (errno.ENODEV, errno.ENOTCONN, errno.EBADF) else log.warning)(
                 "closing backing id %d: %s", backing_id, exc.strerror)
 
+    def _acl_blind(self) -> bool:
+        """Under --allow-other a file's mode is cut down to what its POSIX ACL grants
+        (Metadata._with_acl, a request to the source): an entry table's records carry the
+        source's mode, so no table nodes are answered from them (the daemon answers)."""
+        return self.config.allow_other
+
     def _table_nodes(self) -> TableNodes | None:
         """What the serving processes answer table nodes from, after a start from the NVMe
         tier's entry table (a clean stop's); None after any other start, or without
-        serving processes."""
-        if not self.config.serve_processes:
+        serving processes, or under --allow-other (see _acl_blind)."""
+        if not self.config.serve_processes or self._acl_blind():
             return None
         found = self.core.cache.entry_table()
         if found is None:

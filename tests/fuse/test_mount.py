@@ -286,6 +286,12 @@ def test_allow_other_never_grants_what_an_acl_denies(fault_report):
         _, through = _as_nobody(check.format(root=str(mp)))
         assert through.split() == ["denied", "EACCES", "granted", "EACCES", "plain", "read"], through
         assert os.getxattr(mp / "denied", "system.posix_acl_access") == _acl(0o644, NOBODY, 0)
+        for name in ("denied", "granted", "plain"):  # cached (root may read them), looked up again
+            assert (mp / name).read_text() == name and os.stat(mp / name).st_size == len(name)
+        mounts.unmount(mp)
+        mp = mounts.cachefs(str(src), extra=["--allow-other"])  # after a restart: answered from the cache
+        _, through = _as_nobody(check.format(root=str(mp)))
+        assert through.split() == ["denied", "EACCES", "granted", "EACCES", "plain", "read"], through
     finally:
         mounts.cleanup()
         shutil.rmtree(base, ignore_errors=True)
