@@ -462,3 +462,27 @@ def test_a_batch_is_one_request_with_a_reply_per_file(pool):
     for i in range(5):
         name = entry_id(NS, FileId(f"/f{i}", *reqs[i][2][1:]), BS).hex()
         assert (data_dir / name[:2] / name).read_bytes() == bytes([i]) * (100 + i)
+
+
+def test_a_file_filled_in_the_first_mount_is_looked_up_from_the_index_not_kept_twice(tmp_path):
+    """The attributes a fetch process's visit brought are the cached file's: once it is
+    stored they are the NVMe index's to answer (within the TTL), not a second copy in the
+    attributes cache (~600 bytes a file)."""
+    src, files = _jpegs(tmp_path, 4)
+    disk = DiskTier(str(tmp_path / "cache"), 64 << 20, Stats(), scrub=False)
+    source = _CountingSource(str(src))
+    core = make_core(source, disk=disk, block_size=BS)
+    core.hooks.connect(passthrough=True)
+    core.use_fetchers(Fetchers(str(src), disk.data_dir, core.namespace, BS, processes=1, channels=2))
+    try:
+        assert [core.prefetch_small(n)[0] for n in files] == ["fetched"] * 4
+        assert [core.metadata.cached(n) for n in files] == [None] * 4        # not in the attributes cache
+        stats_before = core.stats.get("source.stat")
+        for name, data in files.items():
+            assert core.getattr(name).size == len(data)                       # the index's answer
+        assert core.stats.get("source.stat") == stats_before and core.stats.get("metadata.index_hits") >= 4
+        attr, expiry = core.metadata.attr_expiry("/d/1.jpg")
+        assert attr.size == len(files["/d/1.jpg"]) and expiry > time.monotonic()
+        disk.check()
+    finally:
+        core.fetchers.close()

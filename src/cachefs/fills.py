@@ -369,6 +369,7 @@ class SmallFills:
                 self._guesses.discard(key)
                 self._stats.incr("prefetch.no_room")
             return "no_room", 0
+        self._meta.stored(path, attr)  # its lookups are the index's from now
         if guess:
             self._stats.add_many({"prefetch.blocks": 1, "prefetch.bytes": attr.size})
         if cache.shares and not from_shared and not shared_done:

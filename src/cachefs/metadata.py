@@ -1,11 +1,10 @@
 """Metadata: what the daemon knows of the source's names and attributes.
 
 A bounded TTL cache (--metadata-ttl, --negative-ttl) of attributes, listings and extended
-attributes; answers from the NVMe tier's index after a restart (within the TTL of when
-each entry was last known good), each directory then checked once, in bulk, by its first
-listing; listings of names and types only, the directories a walk lists next listed
-ahead in parallel (cachefs/listahead.py). Every source request goes through the source
-guard (cachefs/guard.py).
+attributes; cached files' lookups answered from the NVMe tier's index (within the TTL of
+when each was last known good; after a restart each directory is checked once, in bulk,
+by its first listing); listings of names and types only, those a walk lists next listed
+ahead (cachefs/listahead.py). Every source request goes through cachefs/guard.py.
 """
 
 from __future__ import annotations
@@ -306,18 +305,20 @@ class Metadata:
 
     def _learned(self, path: str, attr: Attr) -> None:
         """Attributes just read from the source, into the cache for the TTL. A cached
-        version of the file the index holds that they do not match is outdated: the index
-        answers no lookup with it once the cache lets these go (see _indexed); one they
-        match is confirmed."""
-        self._attrs.put(path, attr, self.metadata_ttl)
-        if self._index_answers and not attr.is_dir:
-            known = self._cache.indexed_attr(path)
-            if known is None:
+        version of the file the index holds that they match is confirmed instead: the index
+        answers its lookups (_index_answer: not kept twice; under --allow-other they are
+        kept too, cut down to the file's ACL as the index's are not); one they do not match
+        is outdated (the index answers no lookup with it)."""
+        known = self._cache.indexed_attr(path) if self._index_answers and not attr.is_dir else None
+        same = known is not None and FileId.of(path, known[0]).matches(attr)
+        if same:
+            self._confirm(path)
+            if not self.check_acls:
+                self._attrs.pop(path)
                 return
-            if FileId.of(path, known[0]).matches(attr):
-                self._confirm(path)
-            else:
-                self._cache.outdated(path)
+        self._attrs.put(path, attr, self.metadata_ttl)
+        if known is not None and not same:
+            self._cache.outdated(path)
 
     def _confirm(self, path: str) -> None:
         """The source has the newest cached version of `path`: the index's entry is known
@@ -337,7 +338,9 @@ class Metadata:
         """(attributes, seconds they stay good) of a lookup answered from the NVMe tier's
         index, or None. Not copied into the attributes cache: the index keeps them (a
         record of the entry table after a restart, 22 bytes of columns), and a copy there
-        was ~600 bytes per file (the `Attr`, its integers, the cache's tuple, the path)."""
+        was ~600 bytes per file (the `Attr`, its integers, the cache's tuple, the path).
+        Under --allow-other they are cut down to the file's ACL (a request to the source)
+        and that copy is kept for the time they stay good."""
         known = self._cache.indexed_attr(path)
         if known is None:
             return None
@@ -350,7 +353,7 @@ class Metadata:
         first = False
         if not self._index_checks:  # every entry was stored in this mount, from the source (see _learned)
             self.stats.incr("metadata.index_hits")
-            return attr, left
+            return self._acl_kept(path, attr, left), left
         with self._check_lock:
             checked = self._checked_dirs.get(directory)
             if checked is None:  # answered before its check, which compares it
@@ -369,7 +372,14 @@ class Metadata:
         self.stats.incr("metadata.index_hits")
         if first:
             self._check_soon(directory)
-        return attr, left
+        return self._acl_kept(path, attr, left), left
+
+    def _acl_kept(self, path: str, attr: Attr, left: float) -> Attr:
+        if not self.check_acls:
+            return attr
+        attr = self._with_acl(path, attr)
+        self._attrs.put(path, attr, left)
+        return attr
 
     def rows_serving(self, directory: str) -> None:
         """The serving processes answer lookups in `directory` from the NVMe tier's entry
@@ -563,8 +573,16 @@ class Metadata:
         return self._attrs.get(path)
 
     def remember(self, path: str, attr: Attr) -> None:
-        """Attributes learnt on the way (a fetch process's visit): kept for the TTL."""
-        self._attrs.put(path, attr, self.metadata_ttl)
+        """Attributes learnt on the way (a fetch process's visit), as _learned takes them."""
+        self._learned(path, attr)
+
+    def stored(self, path: str, attr: Attr) -> None:
+        """A fill just cached `path` on the NVMe tier with `attr`: from now its lookups are
+        the index's (_index_answer), and the attributes cache's copy goes."""
+        if self._index_answers:
+            known = self._cache.indexed_attr(path)
+            if known is not None and known[0] == attr:
+                self._attrs.discard(path, attr)
 
     def last_known(self, path: str) -> Attr | None:
         """The attributes last known of `path`, even if expired."""

@@ -53,5 +53,12 @@ class TTLCache:
         with self._lock:
             self._data.pop(key, None)
 
+    def discard(self, key: str, value: object) -> None:
+        """Drop the entry if it holds `value` (not one put since)."""
+        with self._lock:
+            hit = self._data.get(key)
+            if hit is not None and hit[1] == value:
+                del self._data[key]
+
     def __len__(self) -> int:
         return len(self._data)
