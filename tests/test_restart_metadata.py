@@ -273,3 +273,35 @@ def test_the_index_s_answers_are_not_kept_twice_and_serve_while_the_source_is_do
     with pytest.raises(OSError):
         core.getattr("/d/f6")
     core.close()
+
+
+def test_where_the_serving_processes_answer_the_check_counts_every_name_kept(tmp_path):
+    """In a directory whose files the serving processes answer from the entry table, every
+    name of its kept listing counts as answered at its check (the kernel may hold any):
+    the daemon's own answers there are not recorded one by one (~110 bytes a file), and
+    a file changed or gone since is still told to the kernel."""
+    source = MemorySource()
+    for name, data in FILES.items():
+        source.add_file(name, data)
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False), block_size=BS,
+                     metadata_ttl=1.0)
+    assert len(core.readdir("/d")) == len(FILES)  # kept on the cache disk
+    for name, data in FILES.items():
+        assert core.read(name, 0, len(data)) == data
+    core.close()
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False), block_size=BS,
+                     metadata_ttl=1.0)
+    changed: list[str] = []
+    core.hooks.on_source_changed = lambda path: (changed.append(path), core.invalidate(path))
+    core.metadata.rows_serving("/d")
+    for name in FILES:
+        assert core.getattr(name).size == len(FILES[name])                # the index's
+    assert core.metadata._answered["/d"] == set()
+    source.add_file("/d/f3", b"rewritten")
+    source.remove("/d/f4")
+    time.sleep(1.1)                                                        # the kept listing's TTL passed
+    assert len(core.readdir("/d")) == len(FILES) - 1                       # listed again: the check
+    _checked(core, "/d")
+    assert sorted(changed) == ["/d/f3", "/d/f4"]
+    assert core.getattr("/d/f3").size == len(b"rewritten")
+    core.close()

@@ -361,7 +361,8 @@ class Metadata:
                 first = names is None
                 if first:
                     names = self._answered[directory] = set()
-                names.add(name)  # type: ignore[union-attr]
+                if directory not in self._rows_dirs:  # (there every name kept counts: _check_dir)
+                    names.add(name)  # type: ignore[union-attr]
             elif stored_at < checked:
                 # Not confirmed by the check (changed or gone since), nor cached since: the
                 # source is asked. Confirmed or cached since, it is as good as the check's
