@@ -375,7 +375,7 @@ class Metadata:
             self._check_soon(directory)
         return self._acl_kept(path, attr, left), left
 
-    def _acl_kept(self, path: str, attr: Attr, left: float) -> Attr:
+    def _acl_kept(self, path: str, attr: Attr, left: float) -> Attr:  # (see _index_answer)
         if not self.check_acls:
             return attr
         attr = self._with_acl(path, attr)
@@ -439,7 +439,8 @@ class Metadata:
                 continue
             if FileId.of(prefix + name, known[0]).matches(attr):
                 self._confirm(prefix + name)
-                self._attrs.pop(prefix + name)  # the index answers for it (see _index_answer)
+                if not self.check_acls:  # the index answers for it (see _index_answer)
+                    self._attrs.pop(prefix + name)
             elif name in answered:
                 self.stats.incr("metadata.index_stale")
                 self._on_changed(prefix + name)  # the kernel may hold the old attributes
@@ -472,9 +473,8 @@ class Metadata:
 
     def _stale(self, cache: TTLCache, path: str, exc: OSError,
                also: Callable[[str], object | None] | None = None) -> object:
-        """While the source does not answer, expired metadata is better than none: the
-        files it names may be cached in full (`also`: where else to look). Re-raises `exc`
-        otherwise."""
+        """While the source does not answer, expired metadata is better than none: the files
+        it names may be cached in full (`also`: where else to look). Else re-raises `exc`."""
         if exc.errno in SOURCE_DOWN:
             stale = cache.get_stale(path)
             if stale is None and also is not None:
@@ -574,8 +574,7 @@ class Metadata:
         return self._attrs.get(path)
 
     def remember(self, path: str, attr: Attr) -> None:
-        """Attributes learnt on the way (a fetch process's visit), as _learned takes them."""
-        self._learned(path, attr)
+        self._learned(path, attr)  # attributes learnt on the way (a fetch process's visit)
 
     def stored(self, path: str, attr: Attr) -> None:
         """A fill just cached `path` on the NVMe tier with `attr`: from now its lookups are

@@ -11,11 +11,12 @@ path every request waits behind.
 A file of one block (every file of an ImageFolder tree of JPEGs) is copied by the kernel
 (`sendfile` from the NVMe file into a new RAM file, no bytes in Python) and the RAM tier
 adopts it with the block's hash the NVMe tier recorded (from its record in the entry
-table when it was restored there and not brought into memory: DiskTier.cold_copy); a file of several blocks (up to
-WHOLE_FILE_MAX) is copied block by block through `FileStore.put`. The queue is bounded
-(PROMOTE_QUEUE): an open that finds it full promotes nothing, and a later open of the
-file queues it again. Listeners hear of each file promoted (the file system takes back a
-node published with the NVMe copy, see cachefs/published.py).
+table when it was restored there and not brought into memory: DiskTier.cold_copy); a
+file of several blocks (up to WHOLE_FILE_MAX) is copied block by block through
+`FileStore.put`. The queue is bounded (PROMOTE_QUEUE): an open that finds it full
+promotes nothing, and a later open of the file queues it again. Listeners hear of each
+file promoted (the file system takes back a node published with the NVMe copy, see
+cachefs/published.py).
 """
 
 from __future__ import annotations
