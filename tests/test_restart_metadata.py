@@ -262,6 +262,7 @@ def test_the_index_s_answers_are_not_kept_twice_and_serve_while_the_source_is_do
     assert not any(path in meta._attrs._data for path in FILES)        # the directory's, at most
     attr, expiry = meta.attr_expiry("/d/f5")
     assert attr.size == len(FILES["/d/f5"]) and 0 < expiry - time.monotonic() <= 2.0
+    assert meta.last_known("/d/f5") == attr                              # (a shared tier's reply takes it)
     time.sleep(2.1)                                                     # past the TTL
     source.faults[("stat", "*")] = errno.ETIMEDOUT
     source.faults[("listdir", "*")] = errno.ETIMEDOUT

@@ -271,11 +271,12 @@ class SmallFills:
         out: list[Outcome] = [None] * len(paths)
         batch: list[tuple[int, Claim]] = []
         unknown = [path for path in paths if self._meta.cached(path) is None]
-        if unknown:  # identities first (see fill), stat'ed in parallel
+        found: dict[str, Attr] = {}
+        if unknown:  # identities first (see fill), stat'ed in parallel (a cached file's: the index's, not kept)
             with contextlib.suppress(OSError):  # those left unknown go one by one, and fail there
-                self._meta.attrs_of(unknown, fetch=True)
+                found = self._meta.attrs_of(unknown, fetch=True)
         for i, path in enumerate(paths):
-            hit = self._meta.cached(path)
+            hit = found.get(path) or self._meta.cached(path)
             claim = self._claim(path, hit, reserve=True) if isinstance(hit, Attr) else None
             if claim is None:
                 out[i] = self.fill(path)

@@ -585,9 +585,9 @@ class Metadata:
                 self._attrs.discard(path, attr)
 
     def last_known(self, path: str) -> Attr | None:
-        """The attributes last known of `path`, even if expired."""
+        """The attributes last known of `path`, even if expired (or the index's)."""
         attr = self._attrs.get_stale(path)
-        return attr if isinstance(attr, Attr) else None
+        return attr if isinstance(attr, Attr) else self._index_stale(path) if attr is None else None
 
     def stop_checking(self) -> None:
         """Stop the restart check's thread (first, at shutdown)."""
