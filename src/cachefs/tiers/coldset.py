@@ -83,7 +83,7 @@ class Restored:
             self._found.clear()
         self._found[eid] = n
 
-    def _find(self, eid: bytes, forget: bool = False) -> int | None:
+    def number(self, eid: bytes, forget: bool = False) -> int | None:
         """Entry `eid`'s record number: as found() remembered it (`forget`: no longer), or probed."""
         n = self._found.pop(eid, None) if forget else self._found.get(eid)
         return self.table.find(eid) if n is None else n
@@ -91,7 +91,7 @@ class Restored:
     def whole_cold(self, eid: bytes) -> bool:
         """Whether entry `eid` is a cold record of a whole file of one block, which a hit
         leaves cold (see touch)."""
-        n = self._find(eid)
+        n = self.number(eid)
         if n is None or self.state[n] >= WARM or not self._single(n):
             return False
         self.found(eid, n)
@@ -101,7 +101,7 @@ class Restored:
         """Whether the cold set holds block `key`, without bringing its record in (asked
         without the tier's lock: a record being brought in is waited for)."""
         eid, block = cast(BlockKey, key)
-        if (n := self._find(eid)) is None:
+        if (n := self.number(eid)) is None:
             return False
         if self.state[n] >= WARM:
             with self._lock:  # (after a bring-in the policy's entries have its keys)
@@ -126,7 +126,7 @@ class Restored:
     def touch(self, key: Hashable, tick: int, when: float) -> int | None:
         """A hit on `key` that leaves its record cold (Cold.touch); the tier's lock held."""
         eid, block = cast(BlockKey, key)
-        n = self._find(eid, forget=True) if block == 0 and self.files else None
+        n = self.number(eid, forget=True) if block == 0 and self.files else None
         if n is None or self.state[n] >= WARM or not self._single(n):
             return None
         before = self.ticks[n]
@@ -139,7 +139,7 @@ class Restored:
 
     def access(self, key: Hashable) -> tuple[int, float] | None:
         """(tick, clock time) of a cold record's last hit since the start, or None."""
-        n = self._find(cast(BlockKey, key)[0])
+        n = self.number(cast(BlockKey, key)[0])
         if n is None or self.state[n] >= WARM or not self.ticks[n]:
             return None
         return self.ticks[n], self.whens[n]

@@ -297,7 +297,7 @@ class FromTable:
         r = self._restored
         if eid in self._entries or r is None or not r.files or not r.whole_cold(eid):
             return None
-        n = r.table.find(eid)
+        n = r.number(eid)  # (whole_cold's, remembered)
         row = None if n is None or not self._checked_cold(r, n) else r.row(n)
         if row is None or row.hashes[0] is None or not self._usable():
             return None
