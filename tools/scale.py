@@ -18,7 +18,8 @@ older checkout, in the same run):
   pagecache  an epoch with nothing dropped
   mount      the seconds `cachefs mount` takes over the full cache
   remount    the first epoch after that mount, and the one after it, page cache dropped
-  memory     the daemon's memory (PSS of all its processes) per file, after the epochs
+  memory     the daemon's memory (PSS of all its processes) per file, after the epochs, and
+             after the remount's two (all its processes, and its main one)
   idle       the daemon's CPU over --idle seconds of nothing, as a share of one core
 
 with the daemon's CPU per file (user + system of all its processes) beside each epoch.
@@ -143,7 +144,12 @@ def remount(args: argparse.Namespace, tree: str, rel: list[str], work: str, name
         out["remount"] = epoch(mp, rel, 4, proc)
         # and all the daemon did since it started (the mount, the walk, work behind it)
         out["remount"]["cpu_ms_per_file_since_mount"] = cpu(proc) / len(rel) * 1e3
+        c0 = sum(proc.cpu_times()[:2])
         out["remount_next"] = epoch(mp, rel, 5, proc)  # what the first epoch left for the next
+        out["remount_next"]["main_ms_per_file"] = (sum(proc.cpu_times()[:2]) - c0) / len(rel) * 1e3
+        # what the daemon holds after both: all its processes, and the main one alone
+        out["remount_pss_per_file"] = pss(proc) / len(rel)
+        out["remount_main_pss_per_file"] = proc.memory_full_info().pss / len(rel)
     return out
 
 
@@ -234,9 +240,13 @@ def remounts_only(args: argparse.Namespace, work: str) -> int:
                      each(rs, lambda r: f"{r['remount']['cpu_ms_per_file']:.3f}", median_row),
                      each(rs, lambda r: f"{r['remount']['cpu_ms_per_file_since_mount']:.3f}", median_row),
                      each(rs, lambda r: f"{r['remount_next']['files_per_s']:.0f}", median_row),
-                     each(rs, lambda r: f"{r['remount_next']['cpu_ms_per_file']:.3f}", median_row)))
+                     each(rs, lambda r: f"{r['remount_next']['cpu_ms_per_file']:.3f}", median_row),
+                     each(rs, lambda r: f"{r['remount_next']['main_ms_per_file']:.3f}", median_row),
+                     each(rs, lambda r: f"{r['remount_pss_per_file']:.0f}", median_row),
+                     each(rs, lambda r: f"{r['remount_main_pss_per_file']:.0f}", median_row)))
     table(rows, ("system", "mount s", "scan after remount s", "first epoch files/s", "ms/file",
-                 "ms/file since the mount", "next epoch files/s", "ms/file"))
+                 "ms/file since the mount", "next epoch files/s", "ms/file", "main process ms/file",
+                 "PSS B/file, all processes", "main process"))
     write_json(args.json, {"args": vars(args), "files": len(rel), "remounts": runs})
     return 0
 
@@ -247,7 +257,8 @@ def median_row(rs: list[dict]) -> dict:
             "remount": {k: statistics.median(r["remount"][k] for r in rs)
                         for k in ("files_per_s", "cpu_ms_per_file", "cpu_ms_per_file_since_mount")},
             "remount_next": {k: statistics.median(r["remount_next"][k] for r in rs)
-                             for k in ("files_per_s", "cpu_ms_per_file")}}
+                             for k in ("files_per_s", "cpu_ms_per_file", "main_ms_per_file")},
+            **{k: statistics.median(r[k] for r in rs) for k in ("remount_pss_per_file", "remount_main_pss_per_file")}}
 
 
 def main(argv: list[str] | None = None) -> int:

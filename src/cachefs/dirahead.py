@@ -9,7 +9,7 @@ import functools
 import stat as stat_mod
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from cachefs.config import DIR_BATCH
 from cachefs.fills import SmallFills
@@ -29,7 +29,7 @@ class DirReadahead:
     the worker that first needs it, never in the reader's FUSE thread.
     """
 
-    def __init__(self, readdir: Callable[[str], list[DirEntry]], fills: SmallFills,
+    def __init__(self, readdir: Callable[[str], Collection[DirEntry]], fills: SmallFills,
                  prefetch_file: Callable[[str, int | None], tuple[str, int]], fills_to_disk: Callable[[], bool],
                  cache: MultiLevelCache, stats: Stats, prefetcher: Prefetcher, block_size: int,
                  max_file_blocks: int, max_dirs: int = 100_000):

@@ -39,7 +39,7 @@ from cachefs.fuse.ops import Connection, Entry, FuseError, Opened, Operations, R
 from cachefs.fuse.serve import OWN_FH
 from cachefs.fuse.servetable import ServeTable
 from cachefs.fuse.session import Session
-from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
+from cachefs.identity import Attr, FileId, dirents
 from cachefs.nodes import Backings, ErrorLog, NodeLocks, NodeOpen, Nodes, to_fuse_attr, version_of
 from cachefs.published import Published
 from cachefs.serving import SERVE_MAIN
@@ -421,11 +421,9 @@ class CachefsFS(Published, TableNodeOwner, Operations):
     @_fuse_op
     def readdir(self, req: Request, nodeid: int, fh: int) -> list[tuple[bytes, int, int]]:
         # d_type comes with each entry: os.scandir()/os.walk() never need a stat per entry.
-        # Plain tuples and str.encode (os.fsencode's): a third of what DirItem and
-        # os.fsencode cost per entry.
+        # Plain tuples, the names' bytes as the daemon keeps them (identity.Listing).
         items = [(b".", stat_mod.S_IFDIR, 0), (b"..", stat_mod.S_IFDIR, 0)]
-        items += [(e.name.encode(FS_ENCODING, FS_ERRORS), e.type_mode, e.ino)
-                  for e in self.core.readdir(self.nodes.path(nodeid))]
+        items += dirents(self.core.readdir(self.nodes.path(nodeid)))
         return items
 
     @_fuse_op

@@ -35,7 +35,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Executor
 
 from cachefs.config import LIST_AHEAD
@@ -82,7 +82,7 @@ class ListAhead:
         self._attrs_every = attrs_every  # seconds before a directory's attributes are fetched again
         self._attrs_fetched: OrderedDict[str, float] = OrderedDict()  # directory -> when
 
-    def listed(self, path: str, entries: list[DirEntry]) -> None:
+    def listed(self, path: str, entries: Iterable[DirEntry]) -> None:
         """`path` was listed (from the source or its kept copy, by a reader or ahead)."""
         if self._window <= 0:
             return

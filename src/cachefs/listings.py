@@ -23,18 +23,17 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
 import xxhash
 
-from cachefs.identity import FS_ENCODING, FS_ERRORS, STAT_FIELDS, Attr, DirEntry
+from cachefs.identity import FS_ENCODING, FS_ERRORS, STAT_FIELDS, Attr, DirEntry, Listing
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"cachefsL1\n"
-_COUNT = struct.Struct("<I")
-_ENTRY = struct.Struct("<BQH")  # d_type (S_IFMT >> 12), inode number, name length
+_COUNT = struct.Struct("<I")  # then the entries, packed as a Listing holds them (identity.ENTRY)
 # mode, nlink, uid, gid, size, atime, mtime, ctime (ns), blocks, rdev, ino: Attr's fields
 _ATTR = struct.Struct("<IQIIqqqqqQQ")
 # Listings waiting to be written; more are not kept (the next start lists them again).
@@ -44,19 +43,15 @@ DIR_BYTES = 4096  # what a directory of kept listings takes
 
 class Kept(NamedTuple):
     listed_at: float  # wall clock
-    entries: list[DirEntry]
+    entries: Listing
     attr: Attr | None  # the directory's own attributes, when they were known
 
 
-def encode(path: str, listed_at: float, entries: list[DirEntry], attr: Attr | None = None) -> bytes:
+def encode(path: str, listed_at: float, entries: Iterable[DirEntry], attr: Attr | None = None) -> bytes:
     raw = path.encode(FS_ENCODING, FS_ERRORS)
     own = b"\1" + _ATTR.pack(*attr[:STAT_FIELDS]) if attr is not None else b"\0"
-    parts = [struct.pack("<d I", listed_at, len(raw)), raw, own, _COUNT.pack(len(entries))]
-    pack = _ENTRY.pack
-    for e in entries:
-        name = e.name.encode(FS_ENCODING, FS_ERRORS)
-        parts += (pack(e.type_mode >> 12, e.ino, len(name)), name)
-    body = b"".join(parts)
+    listing = Listing.of(entries)
+    body = b"".join((struct.pack("<d I", listed_at, len(raw)), raw, own, _COUNT.pack(len(listing)), listing.packed))
     return MAGIC + struct.pack("<I", zlib.crc32(body)) + body
 
 
@@ -78,17 +73,8 @@ def decode(data: bytes, path: str) -> Kept | None:
         pos += _ATTR.size
     pos += 1
     (count,) = _COUNT.unpack_from(data, pos)
-    pos += 4
-    entries = []
-    new = tuple.__new__
-    unpack = _ENTRY.unpack_from
-    size = _ENTRY.size
-    for _ in range(count):
-        kind, ino, n = unpack(data, pos)
-        pos += size
-        entries.append(new(DirEntry, (data[pos:pos + n].decode(FS_ENCODING, FS_ERRORS), kind << 12, ino, None)))
-        pos += n
-    return Kept(listed_at, entries, attr) if pos == len(data) else None
+    entries = Listing.parse(data[pos + 4:], count)
+    return None if entries is None else Kept(listed_at, entries, attr)
 
 
 class ListingStore:
@@ -101,7 +87,7 @@ class ListingStore:
         self._unreserve = unreserve
         self._sizes: dict[str, int] = {}  # file name -> bytes reserved for it
         self._lock = threading.Lock()
-        self._pending: queue.Queue[tuple[str, list[DirEntry], float, Attr | None] | None] = queue.Queue(PENDING_MAX)
+        self._pending: queue.Queue[tuple[str, Iterable[DirEntry], float, Attr | None] | None] = queue.Queue(PENDING_MAX)
         self._made: set[str] = set()  # subdirectories made (and held) in this run
         self._adopted = False  # whether adopt_existing has counted what a previous run kept
         os.makedirs(directory, mode=0o700, exist_ok=True)
@@ -134,7 +120,7 @@ class ListingStore:
             self._remove(sub, name)
         return kept
 
-    def save(self, path: str, entries: list[DirEntry], listed_at: float | None = None,
+    def save(self, path: str, entries: Iterable[DirEntry], listed_at: float | None = None,
              attr: Attr | None = None) -> None:
         """Keep this listing of `path`, and its own attributes if known (written in the
         background)."""
@@ -214,7 +200,7 @@ class ListingStore:
             finally:
                 self._pending.task_done()
 
-    def _write(self, path: str, entries: list[DirEntry], listed_at: float, attr: Attr | None) -> None:
+    def _write(self, path: str, entries: Iterable[DirEntry], listed_at: float, attr: Attr | None) -> None:
         data = encode(path, listed_at, entries, attr)
         sub, name = self._file(path)
         if not self._hold(name, -(-len(data) // 4096) * 4096):

@@ -14,7 +14,7 @@ import os
 import stat as stat_mod
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import ThreadPoolExecutor
 from queue import SimpleQueue
 
@@ -28,7 +28,7 @@ from cachefs.config import (
 from cachefs.errors import SOURCE_DOWN
 from cachefs.guard import SourceGuard, in_prefetch_thread
 from cachefs.hooks import KernelHooks
-from cachefs.identity import Attr, DirEntry, EntryInfo, FileId
+from cachefs.identity import Attr, DirEntry, EntryInfo, FileId, Listing
 from cachefs.listahead import ListAhead
 from cachefs.listings import ListingStore
 from cachefs.source import Source
@@ -178,7 +178,7 @@ class Metadata:
             known.update(self._stat_all(unknown))
         return known
 
-    def readdir(self, path: str) -> list[DirEntry]:
+    def readdir(self, path: str) -> Collection[DirEntry]:
         hit = self._dirs.get(path)
         if hit is None and self._ahead.wait(path, self._hooks.blocking):  # being listed ahead
             hit = self._dirs.get(path)
@@ -186,15 +186,15 @@ class Metadata:
         if hit is not None and not (attrs and self._wants_attrs(path, hit)):  # type: ignore[arg-type]
             self.stats.incr("metadata.hits")
             self._ahead.read(path)
-            return hit  # type: ignore[return-value]
+            return hit  # type: ignore[return-value]  # (a Listing)
         self.stats.incr("metadata.misses")
-        entries = None if attrs else self._kept(path)
+        entries: Collection[DirEntry] | None = None if attrs else self._kept(path)
         if entries is None:
             entries = self._list(path, attrs)
         self._ahead.read(path)
         return entries
 
-    def known_listing(self, path: str, kept: bool = True) -> list[DirEntry] | None:
+    def known_listing(self, path: str, kept: bool = True) -> Listing | None:
         """`path`'s listing if the daemon has it (listed within --metadata-ttl, or with
         `kept` kept on the cache disk), without asking the source; None otherwise."""
         hit = self._dirs.get(path)
@@ -202,14 +202,13 @@ class Metadata:
             return hit  # type: ignore[return-value]
         return self._kept(path) if kept else None
 
-    def _wants_attrs(self, path: str, listing: list[DirEntry]) -> bool:
+    def _wants_attrs(self, path: str, listing: Listing) -> bool:
         """Whether a cached listing should be listed again with its entries' attributes
-        (`ls -l`): if it came without (a listing with them leaves out an entry it could not
-        stat), unless it was kept (after a restart the NVMe index answers for its files:
-        lookup_known finds them)."""
-        return bool(listing) and listing[0].attr is None and path not in self._kept_dirs
+        (`ls -l`): if it came without, unless it was kept (after a restart the NVMe index
+        answers for its files: lookup_known finds them)."""
+        return bool(listing) and not listing.with_attrs and path not in self._kept_dirs
 
-    def _kept(self, path: str) -> list[DirEntry] | None:
+    def _kept(self, path: str) -> Listing | None:
         """`path`'s listing as kept on the cache disk, if listed within --metadata-ttl (a
         restarted mount): no request to the source, and no check of the directory until
         then, as its files' attributes are answered from the NVMe index until theirs."""
@@ -234,7 +233,7 @@ class Metadata:
         """Whether something stats what it lists now (`ls -l`: see ListAhead.looked_up)."""
         return self._ahead.attrs_wanted()
 
-    def _list(self, path: str, attrs: bool = False) -> list[DirEntry]:
+    def _list(self, path: str, attrs: bool = False) -> Collection[DirEntry]:
         """A listing from the source, into the cache. Names and d_type only: a walk (os.walk,
         ImageFolder) needs no attributes, and a stat per entry beside the listing (what
         this did while the kernel was given READDIRPLUS) was half the daemon's CPU in a
@@ -258,11 +257,12 @@ class Metadata:
                 for e in entries:
                     if e.attr is not None:
                         self._learned(prefix + e.name, self._with_acl(prefix + e.name, e.attr))
-        self._dirs.put(path, entries, self.metadata_ttl)
+        listing = Listing.of(entries)  # kept packed (see Listing); this reader is given what came
+        self._dirs.put(path, listing, self.metadata_ttl)
         if self._listings is not None:
             own = self._attrs.get(path)
-            self._listings.save(path, entries, attr=own if isinstance(own, Attr) else None)
-        self._ahead.listed(path, entries)
+            self._listings.save(path, listing, attr=own if isinstance(own, Attr) else None)
+        self._ahead.listed(path, listing)
         return entries
 
     def _list_ahead(self, path: str) -> None:
@@ -392,7 +392,7 @@ class Metadata:
         if self._index_checks and directory not in self._checked_dirs:
             self._check_soon(directory)
 
-    def _check_dir(self, directory: str, entries: list[DirEntry]) -> None:
+    def _check_dir(self, directory: str, entries: Collection[DirEntry]) -> None:
         """The first listing of a directory since the start, with attributes: its files'
         attributes are cached, and those the index answered with are compared."""
         prefix = directory.rstrip("/") + "/"
