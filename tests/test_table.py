@@ -17,7 +17,7 @@ from cachefs.tiers import index, table
 from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.table import Row, Table
 
-from .test_tiers import check, eid, kill, no_margin, put  # noqa: F401  (no_margin: a fixture)
+from .test_tiers import check, eid, info, kill, no_margin, put  # noqa: F401  (no_margin: a fixture)
 
 ATTR = Attr(stat.S_IFREG | 0o644, 1, 1000, 1000, 110_000, 1, 2_000_000_000, 3, 216, 0, 42)
 BS = 64 << 10
@@ -253,6 +253,34 @@ def test_a_record_the_restart_check_trusted_needs_no_check_and_stays_cold(disk):
     assert stats.get("disk.trusted_files") == 20  # each once
     assert not t2.needs_check(eid(3)) and t2._entries == {}
     assert t2.get((eid(3), 0)) == bytes([3]) * 3000 and not t2.needs_check(eid(3))
+    check(t2)
+
+
+@pytest.mark.usefixtures("no_margin")
+def test_a_lookup_s_record_answers_the_fill_and_open_after_it_with_no_other_read(disk):
+    """After a remount, directory read-ahead and an open ask of a cold file: its attributes
+    (a lookup, by path), whether a tier holds it, whether it needs a check. The lookup's
+    read of the record answers the other two (at 200,000 files each was a probe of the
+    table by entry id, read from disk after the page cache was dropped)."""
+    t = disk()
+    for n in range(20):
+        put(t, n, bytes([n]) * 3000)
+    t.put((eid(30), 0), b"x" * BS, info("/f30", 2 * BS, BS))   # a file of two blocks, one held
+    time.sleep(0.05)  # older than the stop by the margin
+    t.close()
+    t2 = disk(scrub=True)
+    reads = []
+    real = t2._restored.table._read
+    t2._restored.table._read = lambda at, length: (reads.append(at), real(at, length))[1]
+    for n in (4, 7, 30):
+        attr, _ = t2.attr_of(f"/f{n}")                             # the lookup: its record read
+        assert attr.size == (3000 if n != 30 else 2 * BS) and reads
+        reads.clear()
+        assert t2.probably_has((eid(n), 0)) and not t2.probably_has((eid(n), 1))
+        t2.needs_check(eid(n))
+        if n != 30:
+            assert reads == []                                     # nor was anything else read
+    assert t2._entries == {} and not t2.probably_has((eid(99), 0))  # a file it never held
     check(t2)
 
 

@@ -60,6 +60,7 @@ class Restored:
         self.read = 0               # cold records read since the start
         self.touches = 0            # hits on them
         self._found: dict[bytes, int] = {}  # whole_cold's answers, for the touch that follows
+        self._recent: dict[int, Row] = {}   # records a lookup read, for the questions after it (seen)
         self._by_tick = array("i")     # read_oldest's records, by tick as they were listed,
         self._listed_ticks = array("q")  # those ticks,
         self._listed_at = 0              # `touches` when they were listed,
@@ -68,7 +69,7 @@ class Restored:
     def row(self, n: int, row: Row | None = None) -> Row | None:
         """Record n (Table.row, or `row` read already), with its attributes' time as
         checked since the start."""
-        row = row or self.table.row(n)
+        row = row or self._recent.get(n) or self.table.row(n)
         checked = self.checked[n]
         if row is None or not checked:
             return row
@@ -82,6 +83,18 @@ class Restored:
         if len(self._found) > 2048:
             self._found.clear()
         self._found[eid] = n
+
+    def seen(self, n: int, row: Row) -> None:
+        """Record n was read (a lookup's, by path): its number, shape and row are not read
+        again for the questions that follow the lookup (directory read-ahead's fill, the
+        open: whether a tier holds it, whether it needs a check). A table is never
+        rewritten in place, so a row read once stays its record."""
+        self.found(row.eid, n)
+        if self.shape[n] == UNKNOWN:
+            self.shape[n] = _shape(row)
+        if len(self._recent) > 256:
+            self._recent.clear()
+        self._recent[n] = row
 
     def number(self, eid: bytes, forget: bool = False) -> int | None:
         """Entry `eid`'s record number: as found() remembered it (`forget`: no longer), or probed."""
@@ -120,7 +133,7 @@ class Restored:
                     if self.state[n] < WARM:
                         self._gone(n)
                 return False
-            shape = self.shape[n] = SINGLE if len(row.hashes) == 1 and row.hashes[0] is not None else OTHER
+            shape = self.shape[n] = _shape(row)
         return shape == SINGLE
 
     def touch(self, key: Hashable, tick: int, when: float) -> int | None:
@@ -175,7 +188,7 @@ class Restored:
         if not self.files:
             return False
         eid, block = cast(BlockKey, key)
-        n = self.table.find(eid)
+        n = self.number(eid)
         if n is None:
             return False
         row = self.table.row(n) if self.state[n] < WARM else None  # (before the lock: may wait on the disk)
@@ -250,3 +263,7 @@ class Restored:
                 row = self.row(n)
                 if row is not None:
                     yield n, row, self.state[n] == TRUSTED
+
+
+def _shape(row: Row) -> int:
+    return SINGLE if len(row.hashes) == 1 and row.hashes[0] is not None else OTHER

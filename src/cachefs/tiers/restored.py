@@ -252,6 +252,7 @@ class FromTable:
         found = r.table.path_row(path)
         if found is None or found[0] in r.unpathed or not r.cold(found[0]):
             return None
+        r.seen(*found)
         row = r.row(*found)
         return None if row is None else (found[0], row)
 
@@ -261,7 +262,7 @@ class FromTable:
         e = self._entries.get(eid)
         r = self._restored
         if e is None and r is not None and r.files:
-            n = r.table.find(eid)  # (read before the lock: a read may wait on the disk)
+            n = r.number(eid)  # (read before the lock: a read may wait on the disk)
             if n is not None:
                 row = r.row(n) if r.cold(n) else None
                 with self._lock:  # (the bring-in marks a record taken before its entry is in memory)
@@ -286,7 +287,7 @@ class FromTable:
         """A cold record checked since the start (_checked_cold) needs none, and stays cold."""
         r = self._restored
         if eid not in self._entries and r is not None and r.files:
-            n = r.table.find(eid)
+            n = r.number(eid)
             if n is not None and r.state[n] < WARM and self._checked_cold(r, n):
                 return False
         return super().needs_check(eid)  # type: ignore[misc]
