@@ -281,6 +281,14 @@ def test_a_lookup_s_record_answers_the_fill_and_open_after_it_with_no_other_read
         if n != 30:
             assert reads == []                                     # nor was anything else read
     assert t2._entries == {} and not t2.probably_has((eid(99), 0))  # a file it never held
+    # a table node's open, counted by its entry id and size: that one read tells the count
+    # (a hit on a whole file of one block, the record left cold) the record's shape too
+    for n in (11, 12):
+        number = t2._restored.table.find(eid(n))
+        reads.clear()
+        assert t2.table_eid_size(number) == (eid(n), 3000) and len(reads) == 1
+        assert t2.hit_whole([eid(n)]) == [True] and len(reads) == 1
+    assert t2._entries == {}
     check(t2)
 
 

@@ -262,7 +262,7 @@ class Metadata:
         if self._listings is not None:
             own = self._attrs.get(path)
             self._listings.save(path, listing, attr=own if isinstance(own, Attr) else None)
-        self._ahead.listed(path, listing)
+        self._ahead.listed(path, entries)  # (as it came: no name unpacked)
         return entries
 
     def _list_ahead(self, path: str) -> None:

@@ -78,11 +78,17 @@ class Restored:
     def stamp(self, n: int, when: float) -> None:  # its attributes the source's as of `when` (0: not)
         self.checked[n] = when or OUTDATED
 
-    def found(self, eid: bytes, n: int) -> None:
-        """Entry `eid` is record n (read there by the caller): not looked up again."""
+    def found(self, eid: bytes, n: int, blocks: int = 0) -> None:
+        """Entry `eid` is record n (read there by the caller): not looked up again. With
+        `blocks`, the record's number of blocks: its shape is not read again either (a file
+        of one block is whole: its record has its hash). A table node's open reports it,
+        read by the serving process that answered the open from the whole record, CRC and
+        all."""
         if len(self._found) > 2048:
             self._found.clear()
         self._found[eid] = n
+        if blocks and self.shape[n] == UNKNOWN:
+            self.shape[n] = SINGLE if blocks == 1 else OTHER
 
     def seen(self, n: int, row: Row) -> None:
         """Record n was read (a lookup's, by path): its number, shape and row are not read

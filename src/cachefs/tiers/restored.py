@@ -211,11 +211,13 @@ class FromTable:
         """Record n's entry id and file size (Table.eid_size), to count the open of its
         table node: a restored record's is remembered for that count (Restored.found)."""
         t = self._nodes_table()
-        found = None if t is None or not 0 <= n < t.count else t.eid_size(n)
+        found = None if t is None or not 0 <= n < t.count else t.brief(n)
+        if found is None:
+            return None
         r = self._restored
-        if found is not None and r is not None and t is r.table:
-            r.found(found[0], n)
-        return found
+        if r is not None and t is r.table:
+            r.found(found[0], n, found[2])
+        return found[:2]
 
     def table_find(self, path: str | None = None, eid: bytes | None = None) -> int | None:
         """The record of that table holding `path`'s newest version, or entry `eid`."""

@@ -299,13 +299,18 @@ class Table:
     def eid_size(self, n: int) -> tuple[bytes, int] | None:
         """Record n's entry id and file size, at one read and without its path or CRC (to
         count an open the serving processes answered, which they did from a whole record)."""
+        found = self.brief(n)
+        return None if found is None else found[:2]
+
+    def brief(self, n: int) -> tuple[bytes, int, int] | None:
+        """eid_size, and the record's number of blocks."""
         if not 0 <= n < self.count:
             return None
         rec = self._read(HEADER.size + n * RECORD.size, RECORD.size)
         if len(rec) < RECORD.size:
             return None
         f = RECORD.unpack(rec)
-        return f[0], f[15]
+        return f[0], f[15], f[4]
 
 
 class Mapped:
