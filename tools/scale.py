@@ -38,6 +38,7 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +48,7 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools.common import add_workspace_options, drop_caches, workspace, write_json
 from tools.epoch import list_imagefolder, run_epochs
+from tools.mounts import cachefs_stats
 from tools.targets import cpu, mounted, table
 
 
@@ -79,12 +81,31 @@ def scan(root: str) -> tuple[float, int]:
 
 
 def epoch(root: str, paths: list[str], seed: int, proc: psutil.Process | None, drop: bool = True) -> dict:
+    """One shuffled epoch of 8 readers; through cachefs (`proc`: its daemon), the daemon's CPU
+    per file and the counters that moved most in it (`stats_moved`, in the JSON: what to
+    look at when one run stands out)."""
     if drop:
         drop_caches()
+    before = counters(root) if proc else {}
     c0 = cpu(proc) if proc else 0.0
     r = run_epochs(root, 8, 1, seed=seed, paths=[os.path.join(root, p) for p in paths], quiet=True)[0]
     r["cpu_ms_per_file"] = (cpu(proc) - c0) / len(paths) * 1e3 if proc else None
+    if proc:
+        after = counters(root)
+        moved = {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+        r["stats_moved"] = dict(sorted(moved.items(), key=lambda kv: -abs(kv[1]))[:30])
     return r
+
+
+def counters(mountpoint: str) -> dict[str, float]:
+    """The daemon's counters and gauges (`cachefs stats`), as section.name -> value."""
+    try:
+        s = cachefs_stats(mountpoint)
+    except (RuntimeError, ValueError, subprocess.TimeoutExpired):
+        return {}
+    return {f"{section}.{k}": v for section, d in s.items()
+            if isinstance(d, dict) and section not in ("info", "latency")
+            for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 
 def pss(proc: psutil.Process) -> int:
