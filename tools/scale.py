@@ -161,7 +161,11 @@ def remount(args: argparse.Namespace, tree: str, rel: list[str], work: str, name
     t0 = time.monotonic()
     with mounted(tree, mp, cache, extra, baseline, ram=args.ram_size, disk=args.disk_size) as proc:
         out["mount_s"] = time.monotonic() - t0  # the mount command, until the mount is live
+        before = counters(mp)
         out["scan_remount_s"] = scan(mp)[0]
+        after = counters(mp)  # (and what moved in the daemon from the mount to the walk's end)
+        out["scan_stats_moved"] = dict(sorted(((k, v - before.get(k, 0)) for k, v in after.items()
+                                               if v != before.get(k, 0)), key=lambda kv: -abs(kv[1]))[:30])
         out["remount"] = epoch(mp, rel, 4, proc)
         # and all the daemon did since it started (the mount, the walk, work behind it)
         out["remount"]["cpu_ms_per_file_since_mount"] = cpu(proc) / len(rel) * 1e3
