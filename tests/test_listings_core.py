@@ -262,6 +262,28 @@ def test_a_listing_is_kept_packed_and_unpacks_to_what_was_listed():
     core.close()
 
 
+def test_a_listing_is_kept_with_its_directory_s_attributes_though_the_cache_let_them_go(tmp_path):
+    """The attributes cache is bounded: at 200,000 files the files' lookups had pushed most
+    class directories' own attributes out before they were listed, and 154 of 200 kept
+    listings had none, so every remount's walk stat'ed those directories on the source."""
+    source = MemorySource()
+    for d in range(3):
+        source.add_file(f"/t/c{d}/f", b"x")
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False))
+    for d in range(3):
+        assert core.getattr(f"/t/c{d}").is_dir
+        core.metadata._attrs.pop(f"/t/c{d}")   # let go (as the bounded cache does under many files)
+        assert [e.name for e in core.readdir(f"/t/c{d}")] == ["f"]
+    core.metadata._listings.flush()
+    assert all(core.metadata._listings.load(f"/t/c{d}").attr.is_dir for d in range(3))
+    core.close()
+    stats = source.calls["stat"]
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False))
+    assert all(core.getattr(f"/t/c{d}").is_dir for d in range(3))   # a restarted walk's lookups...
+    assert source.calls["stat"] == stats                              # ...ask the source nothing
+    core.close()
+
+
 def test_kept_listings_round_trip_odd_names_refuse_damage_and_stay_in_budget(tmp_path):
     held = [0]
 

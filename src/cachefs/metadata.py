@@ -259,9 +259,9 @@ class Metadata:
                         self._learned(prefix + e.name, self._with_acl(prefix + e.name, e.attr))
         listing = Listing.of(entries)  # kept packed (see Listing); this reader is given what came
         self._dirs.put(path, listing, self.metadata_ttl)
-        if self._listings is not None:
-            own = self._attrs.get(path)
-            self._listings.save(path, listing, attr=own if isinstance(own, Attr) else None)
+        if self._listings is not None:  # with its own attributes: a restart's lookup of it asks nothing
+            own = self._attrs.get(path)  # (let go of under many files' lookups: asked again)
+            self._listings.save(path, listing, attr=own if isinstance(own, Attr) else self._stat_one(path))
         self._ahead.listed(path, entries)  # (as it came: no name unpacked)
         return entries
 
