@@ -83,7 +83,10 @@ def test_json_report_has_the_measurements(tree, capsys):
     load = report["loader"]
     assert load["images"] > 0 and load["images_per_s"] > 0 and load["transform"].startswith("none")
     assert load["cpu_ms_per_image"] < 5 and 0 <= load["read_share"] <= 1   # bytes only: nothing decoded
-    assert 15_000 < load["mean_file_bytes"] < 30_000
+    # a mean over the images read in one second of a random order: between the tree's smallest and largest
+    # file (a per-batch or per-worker count would be 4x or more), not near the tree's mean
+    sizes = [p.stat().st_size for p in tree.rglob("*") if p.is_file()]
+    assert min(sizes) <= load["mean_file_bytes"] <= max(sizes)
     assert 0 <= load["system"]["cpu_busy"] <= 1 and len(load["system"]["cpu_per_core"]) == load["system"]["cores"]
 
 
