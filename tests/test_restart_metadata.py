@@ -102,9 +102,10 @@ def test_attributes_older_than_the_metadata_ttl_are_not_trusted(tmp_path):
     source = MemorySource()
     core = _restarted(tmp_path, source, FILES, metadata_ttl=0.01)
     time.sleep(0.05)
-    before = source.calls["stat"]
+    before = source.calls_by_path["stat", "/d/f1"]
     core.getattr("/d/f1")
-    assert source.calls["stat"] == before + 1
+    # the file's own stat (the listing it sets off in the background may stat the directory)
+    assert source.calls_by_path["stat", "/d/f1"] == before + 1
     assert core.stats.get("metadata.index_hits") == 0
     core.close()
 

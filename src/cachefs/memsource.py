@@ -25,6 +25,7 @@ class MemorySource:
         self._nodes: dict[str, tuple[Attr, object]] = {}
         self._lock = threading.Lock()
         self.calls: Counter[str] = Counter()
+        self.calls_by_path: Counter[tuple[str, str]] = Counter()  # (op, path as asked)
         self.xattrs: dict[str, dict[str, bytes]] = {}
         self.bytes_read = 0
         self.faults: dict[tuple[str, str], int] = {}  # (op, path) -> errno
@@ -77,6 +78,7 @@ class MemorySource:
     def _enter(self, op: str, path: str) -> tuple[Attr, object]:
         with self._lock:
             self.calls[op] += 1
+            self.calls_by_path[op, path] += 1
         if self.latency:
             self._sleep(self.latency)
         path = "/" + check_relpath(path)
