@@ -1,6 +1,8 @@
 import pytest
 
 from cachefs.memsource import MemorySource
+from cachefs.stats import Stats
+from cachefs.tiers.disk import DiskTier
 from tests.helpers import FakeClock
 
 
@@ -12,6 +14,22 @@ def clock():
 @pytest.fixture
 def source():
     return MemorySource()
+
+
+@pytest.fixture
+def disk(tmp_path):
+    """An NVMe tier under tmp_path (each made by the test closed after it), as many times
+    as the test makes one: a remount is a second."""
+    tiers = []
+
+    def make(capacity=8 << 20, stats=None, scrub=False, **kw):
+        t = DiskTier(str(tmp_path / "store"), capacity, stats or Stats(), scrub=scrub, **kw)
+        tiers.append(t)
+        return t
+
+    yield make
+    for t in tiers:
+        t.close()
 
 
 # The fault table: each fault test reports what it injected, what the reader

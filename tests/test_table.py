@@ -14,7 +14,6 @@ import pytest
 from cachefs.identity import Attr, EntryInfo
 from cachefs.stats import Stats
 from cachefs.tiers import index, table
-from cachefs.tiers.disk import DiskTier
 from cachefs.tiers.table import Row, Table
 
 from .test_tiers import check, eid, info, kill, no_margin, put  # noqa: F401  (no_margin: a fixture)
@@ -77,20 +76,6 @@ def test_a_damaged_record_is_not_there_and_a_damaged_header_is_no_table(tmp_path
         f.write(b"\xff")
     with pytest.raises(ValueError):
         Table(path, 5)
-
-
-@pytest.fixture
-def disk(tmp_path):
-    tiers = []
-
-    def make(capacity=8 << 20, stats=None, scrub=False, **kw):
-        t = DiskTier(str(tmp_path / "store"), capacity, stats or Stats(), scrub=scrub, **kw)
-        tiers.append(t)
-        return t
-
-    yield make
-    for t in tiers:
-        t.close()
 
 
 def tables(t) -> list[str]:

@@ -146,6 +146,17 @@ class Policy:
             if not tick:
                 self._entries.move_to_end(key, last=False)
 
+    def cool(self, key: Hashable) -> tuple[int, int, float] | None:
+        """Hand `key` to the cold set (attached): out of memory, its bytes still counted
+        (the cold set adds them to its own): (its size, tick and clock time of its last
+        access), or None if it stays (not in memory, pinned, stale, or brought in by
+        read-ahead and not read yet)."""
+        entry = self._entries.get(key)
+        if entry is None or self._cold is None or key in self._pins or key in self._stale or key in self._unread:
+            return None
+        del self._entries[key]
+        return entry
+
     def _held(self, key: Hashable) -> bool:
         """Whether `key` is held; a cold key is brought into memory first."""
         if key in self._entries:

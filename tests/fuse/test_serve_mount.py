@@ -478,8 +478,9 @@ def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_p
     than --backing-files and stops growing, its entries are written as a table (a
     checkpoint) whose files the serving processes answer as after a remount: with the page
     cache dropped, the next epochs' lookups and opens are theirs, registering again the
-    files past the limit, instead of each coming to the daemon. The bytes are the
-    source's."""
+    files past the limit, instead of each coming to the daemon. The files leave the
+    daemon's memory for their records, and stay out of it through the epochs. The bytes
+    are the source's."""
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)
     data = {f"d/f{i:02d}.jpg": os.urandom(20_000 + i) for i in range(60)}
@@ -496,6 +497,9 @@ def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_p
         assert time.monotonic() < deadline, "no checkpoint"
         assert (mp / "d" / "f00.jpg").read_bytes() == data["d/f00.jpg"]
         time.sleep(0.2)
+    s = stats(mp)
+    assert s["disk"]["cooled_files"] == len(data) and s["disk"]["files"] == len(data)
+    assert s["disk"]["files_in_memory"] <= 1, s["disk"]  # (f00, if the daemon opened it since)
     for seed in (2, 3):
         with open("/proc/sys/vm/drop_caches", "w") as f:  # every file looked up and opened again
             f.write("3\n")
@@ -509,6 +513,7 @@ def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_p
         assert after["disk"]["hits"] - before["disk"]["hits"] == len(data)
         assert after["opens"]["passthrough"] - before["opens"]["passthrough"] == len(data)  # once each
         assert after["fuse"].get("errors", 0) == 0
+        assert after["disk"]["files_in_memory"] <= 1, after["disk"]
     assert after["serve"]["table_registrations"] >= len(data) - limit
 
 
@@ -546,6 +551,8 @@ def test_files_cached_after_the_checkpoint_are_handed_over_by_the_next_one(tmp_p
     _checkpoints(mp, data["b"], 2)
     assert len(list(cache.rglob("entries-*"))) == 1  # the table before is unlinked
     both = {**data["a"], **data["b"]}
+    s = stats(mp)  # each generation's files left the daemon's memory
+    assert s["disk"]["cooled_files"] >= len(both) - 1 and s["disk"]["files_in_memory"] <= 2, s["disk"]
     for seed in (2, 3):
         with open("/proc/sys/vm/drop_caches", "w") as f:
             f.write("3\n")

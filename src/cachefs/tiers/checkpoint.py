@@ -10,6 +10,14 @@ entry's node is the daemon's already, but a request for it may still come), and 
 the files cached since, oldest first. The old table is unlinked at once; its blocks stay
 counted in the budget until every serving process has mapped the new one
 (`checkpoint_released`), since their mappings hold them.
+
+Cooling. A checkpoint also takes the entries it records out of memory, where they are idle
+(a whole file of one block, checked since the start, the newest of its path; open or not: a
+kernel's open holds a file of several blocks against holes, and one of one block goes whole
+either way, FileStore._drop_block): they
+become cold records of it (`Restored.of_checkpoint`), as a start from a clean stop's table
+leaves its records, 22 bytes of columns each instead of an `Entry` and the policy's tuple
+(about 1 KB). Each generation's cold set is the next one's (the same numbers).
 """
 
 from __future__ import annotations
@@ -21,10 +29,11 @@ import random
 import threading
 import time
 from collections.abc import Container
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from cachefs.config import format_size
 from cachefs.policy import Policy
+from cachefs.stats import Stats
 from cachefs.tiers import table
 from cachefs.tiers.coldset import Restored
 from cachefs.tiers.entry import Entry
@@ -32,6 +41,8 @@ from cachefs.tiers.restored import row_of
 from cachefs.tiers.table import Row, Table
 
 log = logging.getLogger(__name__)
+
+COOL_BATCH = 2048  # entries cooled per hold of the tier's lock
 
 
 class Checkpoints:
@@ -44,6 +55,9 @@ class Checkpoints:
         _checkpoint: Table | None
         _checkpoint_bytes: int
         _retired_bytes: int
+        _retired_tables: list[Table]
+        _paths: dict[str, bytes]
+        _stats: Stats
         _stored_since_copy: list[tuple[str, bytes]] | None
         stored_since_checkpoint: int
         policy: Policy
@@ -51,6 +65,10 @@ class Checkpoints:
         def _table_path(self, table_id: int) -> str: ...
 
         def _unpath(self, path: str, eid: bytes) -> None: ...
+
+        def _bring(self, n: int, row: Row, trusted: bool, held: list[tuple[int, int]]) -> None: ...
+
+        def _lost(self, eid: bytes) -> None: ...
 
         def _refresh_limits(self, incoming: int = 0, force: bool = False) -> None: ...
 
@@ -72,9 +90,10 @@ class Checkpoints:
         budget. Entries in `skip` (RAM's) are left out, unless the table before had them.
         The entries are copied under the tier's lock and written outside it: one dropped
         meanwhile is in the table, and its node's first open finds no file and goes to
-        the daemon; the record of a path stored meanwhile is retired (on_unpathed)."""
-        if self._restored is not None or self.suspended:
-            return None
+        the daemon; the record of a path stored meanwhile is retired (on_unpathed). The
+        entries it records that are idle leave memory for its cold set (_cool)."""
+        if (self._restored is not None and self._checkpoint is None) or self.suspended:
+            return None  # (a start from a clean stop's table: its records are the nodes')
         now = time.time_ns()
         with self._lock:
             held = dict(self._entries)
@@ -99,6 +118,8 @@ class Checkpoints:
             with self._lock:  # the newest of a path stored while it was written is not the table's
                 if found is not None:
                     self._checkpoint = found[0]
+                    if self._restored is not None:  # (the cold set's records, in the same numbers)
+                        self._restored.rebind(found[0])
                     if old is not None:  # mapped by the serving processes until they take the new one
                         self._retired_bytes += old.size
                     self._checkpoint_bytes = found[1] + self._retired_bytes
@@ -108,14 +129,15 @@ class Checkpoints:
         if found is None:
             return (-1, kept) if len(rows) == kept else None
         self._taken_over(found[0], old, newer or [])
+        self._cool(found[0], rows, skip)
         return os.dup(found[0].fileno()), found[0].count
 
     def _taken_over(self, t: Table, old: Table | None, newer: list[tuple[str, bytes]]) -> None:
         """Checkpoint `t` stands for the tier now: the one before it (`old`) goes from the
         disk (its blocks once no serving process maps it), and the records of the paths
         stored `newer` while it was written are retired."""
-        if old is not None:
-            old.close()
+        if old is not None:  # (closed once released: a reader of the cold set may still hold it)
+            self._retired_tables.append(old)
             with contextlib.suppress(OSError):
                 os.unlink(self._table_path(old.table_id))
         for p, eid in newer:
@@ -124,18 +146,51 @@ class Checkpoints:
         log.info("NVMe tier: checkpoint of %d files written (%s)%s", t.count, format_size(t.size),
                  f", {t.count - old.count} after the {old.count} of the one before" if old is not None else "")
 
-    @staticmethod
-    def _rows_kept(old: Table | None, held: dict[bytes, Entry], now: int) -> list[Row | None]:
+    def _rows_kept(self, old: Table | None, held: dict[bytes, Entry], now: int) -> list[Row | None]:
         """The records of the table before, in their numbers: each from the entry in memory
-        (taken off `held`) where the tier holds it, else as that table has it (None where
-        its record fails its CRC)."""
+        (taken off `held`) where the tier holds it, else as that table has it (a cold
+        record's with its attributes' time since; None where its record fails its CRC)."""
         if old is None:
             return []
+        r = self._restored
         rows: list[Row | None] = []
         for n in range(old.count):
             e = held.pop(old.eid_of(n), None)
-            rows.append(row_of(e, now) if e is not None else old.row(n))
+            rows.append(row_of(e, now) if e is not None else r.row(n) if r is not None and r.cold(n) else old.row(n))
         return rows
+
+    def _cool(self, t: Table, rows: list[Row | None], skip: Container[bytes]) -> int:
+        """After checkpoint `t` of `rows`: the entries it records that are idle leave memory
+        for its cold set (see the module docstring); RAM's (`skip`) and the others stay. In
+        batches of COOL_BATCH under the tier's lock; the number cooled."""
+        newest = {row.path: n for n, row in enumerate(rows) if row is not None}  # (the table's path buckets)
+        with self._lock:
+            r = self._restored
+            if r is None:
+                r = self._restored = Restored.of_checkpoint(t, self._bring, self._lost, self._lock)
+                self.policy.attach_cold(r)
+        todo = list(newest.values())
+        del newest
+        cooled = 0
+        for i in range(0, len(todo), COOL_BATCH):
+            with self._lock:
+                if r is not self._restored or r.table is not t or self.suspended:
+                    break  # (a next generation cools its own)
+                for n in todo[i:i + COOL_BATCH]:
+                    eid = cast(Row, rows[n]).eid
+                    e = self._entries.get(eid)
+                    if (e is None or e.unverified or e.punched or e.present != 1 or len(e.hashes) != 1
+                            or eid in skip or n in r.unpathed or self._paths.get(e.path) != eid):
+                        continue
+                    got = self.policy.cool((eid, 0))
+                    if got is None:
+                        continue
+                    del self._entries[eid], self._paths[e.path]
+                    r.cool(n, got[0], got[1], got[2], e.stored_at)
+                    cooled += 1
+        self._stats.incr("disk.cooled_files", cooled)
+        log.info("NVMe tier: %d files of the checkpoint left memory for its records", cooled)
+        return cooled
 
     def _write_checkpoint(self, rows: list[Row | None], now: int, kept: int) -> tuple[Table, int] | None:
         """checkpoint's table of `rows`, the first `kept` in their numbers, and its size
@@ -163,4 +218,7 @@ class Checkpoints:
         with self._lock:
             self._checkpoint_bytes -= self._retired_bytes
             self._retired_bytes = 0
+            retired, self._retired_tables = self._retired_tables, []
+        for old in retired:
+            old.close()
         self._refresh_limits(force=True)

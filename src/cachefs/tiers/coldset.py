@@ -66,6 +66,53 @@ class Restored:
         self._listed_at = 0              # `touches` when they were listed,
         self._listed_from = 0            # and the first that may still be cold and unread since
 
+    @classmethod
+    def of_checkpoint(cls, table: Table, bring: Callable[[int, Row, bool, list[tuple[int, int]]], None],
+                      lost: Callable[[bytes], None], lock: threading.RLock) -> Restored:
+        """A cold set over a checkpoint of this mount (cachefs/tiers/checkpoint.py): its
+        records start in memory (WARM), the tier's entries; those that are idle are cooled
+        into it (cool)."""
+        r = cls(table, bring, lost, lock)
+        r.state = bytearray([WARM]) * table.count
+        r.count = r.used = r.files = 0
+        r._first = table.count  # (no record is cold and unread since the start: see oldest)
+        return r
+
+    def rebind(self, table: Table) -> None:
+        """The checkpoint's next generation (the records before in their numbers, then the
+        files stored since, in memory) stands for this set's table now. The tier's lock held."""
+        extra = table.count - len(self.state)
+        if extra < 0:
+            raise ValueError("a next generation has fewer records than the table before it")
+        self.state += bytearray([WARM]) * extra
+        self.shape += bytes(extra)
+        self.ticks.frombytes(bytes(8 * extra))
+        self.whens.frombytes(bytes(4 * extra))
+        self.checked.frombytes(bytes(8 * extra))
+        self.table = table
+        self._recent.clear()
+
+    def cool(self, n: int, size: int, tick: int, when: float, stored_at: float) -> None:
+        """Record n's entry, a whole file of one block checked since the start (`size` bytes
+        on disk), leaves memory: the policy's last access to it (`tick`, `when`) and its
+        attributes' time go into the columns, as for a record read since the start; one
+        admitted before the policy's first access and not read since (tick 0) is among the
+        oldest, in the table's order (stored_at), as a record not read since a start is.
+        The tier's lock held."""
+        self.state[n] = TRUSTED
+        self.shape[n] = SINGLE
+        self.files += 1
+        self.count += 1
+        self.used += size
+        self.ticks[n] = tick
+        self.whens[n] = when
+        self.checked[n] = stored_at or OUTDATED
+        if tick:
+            self.read += 1
+            self._by_tick = array("i")  # (listed again: read_oldest)
+        else:
+            self._first = min(self._first, n)
+
     def row(self, n: int, row: Row | None = None) -> Row | None:
         """Record n (Table.row, or `row` read already), with its attributes' time as
         checked since the start."""

@@ -114,6 +114,7 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
         self._checkpoint: Table | None = None  # this mount's entry table, for table nodes (checkpoint)
         self._checkpoint_bytes = 0  # its size, and those of the ones before it still mapped
         self._retired_bytes = 0
+        self._retired_tables: list[Table] = []  # the checkpoints before it, closed once released
         self._stored_since_copy: list[tuple[str, bytes]] | None = None  # (during a checkpoint's write)
         self.stored_since_checkpoint = 0  # files stored since the last checkpoint's copy
         s = self._stats
@@ -575,8 +576,9 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
                 os.close(self._log_fd)
                 self._log_fd = -1
         checkpoint, self._checkpoint = self._checkpoint, None
-        if checkpoint is not None:
-            checkpoint.close()
+        for t in [*self._retired_tables, *([checkpoint] if checkpoint is not None else [])]:
+            t.close()
+        self._retired_tables = []
         super().close()
 
 

@@ -573,8 +573,8 @@ class FileStore:
             return True
 
     def release(self, eid: bytes) -> None:
-        with self._lock:
-            e = self._entry(eid)
+        with self._lock:  # (an entry out of memory, a cold record, has no holds to release)
+            e = self._entries.get(eid)
             if e is not None and e.users > 0:
                 e.users -= 1
 
