@@ -7,9 +7,11 @@ generation of the checkpoint."""
 from __future__ import annotations
 
 import os
+import threading
 
 from cachefs.identity import EntryInfo
 from cachefs.stats import Stats
+from cachefs.tiers.coldset import TRUSTED, WARM
 
 from .test_table import ATTR, BS, tables
 from .test_tiers import check, eid, info, kill, put
@@ -133,3 +135,24 @@ def test_a_next_checkpoint_keeps_the_cooled_records_cold_and_cools_the_new_files
     assert t._retired_tables == []
     assert all(t.get((eid(n), 0)) == d for n, d in data.items())
     check(t)
+
+
+def test_a_file_being_cooled_is_held_to_a_reader_asking_meanwhile(disk):
+    """Whether a block is held is asked without the tier's lock: a file taken out of the
+    policy's entries and not yet a cold record (cooling, in a batch under the lock) is
+    waited for, not missed."""
+    t = disk()
+    put(t, 1, b"x" * 3000)
+    checkpoint(t)
+    r, n = t._restored, t.table_find(eid=eid(1))
+    assert r.cold(n) and eid(1) not in t._entries
+    answers = []
+    with t._lock:  # as _cool has it: out of the policy's entries, the record not cold yet
+        r.state[n] = WARM
+        asking = threading.Thread(target=lambda: answers.append((eid(1), 0) in t.policy))
+        asking.start()
+        asking.join(0.3)
+        assert asking.is_alive()                                       # waits for the lock
+        r.state[n] = TRUSTED                                           # cooled
+    asking.join(5)
+    assert answers == [True]

@@ -170,8 +170,9 @@ class Restored:
         if (n := self.number(eid)) is None:
             return False
         if self.state[n] >= WARM:
-            with self._lock:  # (after a bring-in the policy's entries have its keys)
-                return False
+            with self._lock:  # (after a bring-in the policy's entries have its keys; after
+                if self.state[n] >= WARM:  # a cooling, this set has: Restored.cool)
+                    return False
         if self._single(n):
             return block == 0
         row = self.table.row(n)
