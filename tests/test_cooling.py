@@ -7,6 +7,7 @@ generation of the checkpoint."""
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
 from cachefs.identity import EntryInfo
@@ -156,3 +157,21 @@ def test_a_file_being_cooled_is_held_to_a_reader_asking_meanwhile(disk):
         r.state[n] = TRUSTED                                           # cooled
     asking.join(5)
     assert answers == [True]
+
+
+def test_cooling_gives_back_the_tables_of_the_entries_it_emptied(disk):
+    """A dict keeps its table's size as its keys go: the tier's entries, its paths and the
+    policy's order are rebuilt after cooling (at 200,000 files, ~35 MB given back)."""
+    t = disk(capacity=64 << 20)
+    for n in range(3000):
+        put(t, n, b"x" * 100)
+
+    def tables_size() -> int:
+        return sys.getsizeof(t._entries) + sys.getsizeof(t._paths) + sys.getsizeof(t.policy._entries)
+
+    before = tables_size()
+    checkpoint(t)
+    assert t._entries == {} and t._paths == {} and len(t.policy) == 3000
+    assert tables_size() < before / 20
+    assert t.get((eid(2999), 0)) == b"x" * 100
+    check(t)

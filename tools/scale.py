@@ -144,6 +144,7 @@ def measure_cachefs(args: argparse.Namespace, tree: str, rel: list[str], work: s
         out["nvme"] = median_epoch([epoch(mp, rel, 10 + i, proc) for i in range(args.repeat)])
         out["pagecache"] = median_epoch([epoch(mp, rel, 20 + i, proc, drop=False) for i in range(args.repeat)])
         out["pss_per_file"] = pss(proc) / len(rel)
+        out["main_pss_per_file"] = proc.memory_full_info().pss / len(rel)
         c0, t0 = cpu(proc), time.monotonic()
         time.sleep(args.idle)
         out["idle_core_share"] = (cpu(proc) - c0) / (time.monotonic() - t0)
@@ -353,11 +354,12 @@ def main(argv: list[str] | None = None) -> int:
                      fps(r, "cold"), ms(r, "cold"), fps(r, "nvme"), ms(r, "nvme"), fps(r, "pagecache"),
                      ms(r, "pagecache"), f"{r['mount_s']:.1f}" if "mount_s" in r else "-", fps(r, "remount"),
                      f"{r['pss_per_file']:.0f}" if "pss_per_file" in r else "-",
+                     f"{r['main_pss_per_file']:.0f}" if "main_pss_per_file" in r else "-",
                      f"{r['idle_core_share'] * 100:.2f}%" if "idle_core_share" in r else "-"))
     print(f"\n{len(rel)} files of {args.file_size} B in {args.dirs} directories on local disk; 8 readers, "
           "page cache dropped before each measurement but the page-cache epoch; files/s and daemon CPU ms/file")
     table(rows, ("system", "scan s", "scan after remount s", "cold", "ms", "NVMe", "ms", "page cache", "ms",
-                 "mount s", "remount", "PSS B/file", "idle CPU"))
+                 "mount s", "remount", "PSS B/file", "main process", "idle CPU"))
     print(f"(local: cold {ref['cold']['files_per_s']:.0f} files/s, page cache {ref['pagecache']['files_per_s']:.0f})")
     write_json(args.json, {"args": vars(args), "files": len(rel), "systems": results})
     return 0

@@ -188,6 +188,11 @@ class Checkpoints:
                     del self._entries[eid], self._paths[e.path]
                     r.cool(n, got[0], got[1], got[2], e.stored_at)
                     cooled += 1
+        if cooled:
+            with self._lock:  # (a dict never shrinks as keys go: rebuilt, its table goes back to the system)
+                self._entries = dict(self._entries)
+                self._paths = dict(self._paths)
+                self.policy.compact()
         self._stats.incr("disk.cooled_files", cooled)
         log.info("NVMe tier: %d files of the checkpoint left memory for its records", cooled)
         return cooled
