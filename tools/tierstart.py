@@ -8,7 +8,10 @@ the page cache dropped first where the machine allows:
             process's RSS after it;
   touch     bringing every entry into memory (as an epoch's opens would), per entry;
   stop      the clean stop after that (nothing changed since the start), and the first
-            clean stop after the build (every entry in memory, all written).
+            clean stop after the build (every entry in memory, all written);
+  first     in the build (a first mount): the RSS with every entry in memory, and after a
+            checkpoint of them (which cools them out of memory where the version does),
+            with the checkpoint's time.
 
     python tools/tierstart.py --files 200000 --baseline ../old-checkout
 
@@ -53,6 +56,13 @@ if step == "build":
         name = f"n{i // 1281:08d}/n{i // 1281:08d}_{i}.JPEG"
         attr = Attr(0o100644, 1, 0, 0, len(data), i, i, i, 8, 0, 1000 + i)
         t.adopt((e, 0), len(data), h, EntryInfo(name, attr, 1 << 20))
+    out["built_rss"] = psutil.Process().memory_info().rss
+    start = time.perf_counter()
+    got = t.checkpoint()
+    out["checkpoint_s"] = time.perf_counter() - start
+    if got is not None and got[0] >= 0:
+        os.close(got[0])
+    out["checkpointed_rss"] = psutil.Process().memory_info().rss
     start = time.perf_counter()
     t.close()
     out["stop_s"] = time.perf_counter() - start
@@ -85,9 +95,11 @@ def run(checkout: str, step: str, directory: str, files: int) -> dict:
 
 def measure(checkout: str, directory: str, files: int, repeats: int) -> dict:
     first_stop = None
+    built: dict = {}
     if not os.path.isdir(os.path.join(directory, "data")):
         print(f"tierstart: building {files:,} entries in {directory}", file=sys.stderr)
-        first_stop = run(checkout, "build", directory, files)["stop_s"]
+        built = run(checkout, "build", directory, files)
+        first_stop = built["stop_s"]
     starts = []
     for _ in range(repeats):
         drop_caches()
@@ -97,7 +109,9 @@ def measure(checkout: str, directory: str, files: int, repeats: int) -> dict:
     return {"start_s": median(s["start_s"] for s in starts),
             "start_rss_per_file": median(s["start_rss"] for s in starts) / files,
             "touch_us": touch["touch_us"], "touched_rss_per_file": touch["touched_rss"] / files,
-            "stop_s": touch["stop_s"], "first_stop_s": first_stop}
+            "stop_s": touch["stop_s"], "first_stop_s": first_stop,
+            **({"built_rss_per_file": built["built_rss"] / files, "checkpoint_s": built["checkpoint_s"],
+                "checkpointed_rss_per_file": built["checkpointed_rss"] / files} if built else {})}
 
 
 def main() -> None:
@@ -118,6 +132,13 @@ def main() -> None:
             first = "-" if r["first_stop_s"] is None else f"{r['first_stop_s']:.2f}"
             print(f"| {name} | {r['start_s']:.2f} | {r['start_rss_per_file']:.0f} | {r['touch_us']:.1f} "
                   f"| {r['touched_rss_per_file']:.0f} | {r['stop_s']:.2f} | {first} |")
+        if all("checkpoint_s" in r for r in results.values()):
+            print(f"\n| {args.files:,} files, the build (a first mount) | RSS B/file, every entry in memory "
+                  f"| checkpoint s | RSS B/file after it |")
+            print("|---|---|---|---|")
+            for name, r in results.items():
+                print(f"| {name} | {r['built_rss_per_file']:.0f} | {r['checkpoint_s']:.2f} "
+                      f"| {r['checkpointed_rss_per_file']:.0f} |")
         write_json(args.json, {"files": args.files, "results": results})
 
 
