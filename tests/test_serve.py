@@ -544,6 +544,33 @@ def test_a_file_ram_took_has_its_nvme_registration_closed(tmp_path):
     assert session.closed[-1] == ram and len(backings) == 0 and backings.ram_count == 0
 
 
+def test_a_checkpoint_closes_the_idle_registrations_of_the_nvme_copies(tmp_path):
+    """Backings.close_nvme_idle: after a checkpoint the files it recorded are table nodes
+    that register their own; the daemon's idle NVMe registrations go, and each open one at
+    its last close; its RAM copies' stay."""
+    from cachefs.nodes import Backings
+
+    (tmp_path / "copy").write_bytes(b"x")
+    session = FakeSession()
+    backings = Backings(session, 100)
+    copy = str(tmp_path / "copy")
+    idle = {bytes([n]) * 16: backings.get(FakeBacking(None, copy, bytes([n]) * 16)) for n in range(3)}  # type: ignore[arg-type]
+    held = backings.get(FakeBacking(None, copy, b"H" * 16))  # type: ignore[arg-type]
+    ram = backings.get(FakeRamBacking(None, copy, b"R" * 16))  # type: ignore[arg-type]
+    for eid in idle:
+        backings.put(eid)
+    backings.put(Backings.ram_key(b"R" * 16))
+    assert len(backings) == 5 and session.closed == []
+    assert backings.close_nvme_idle() == 3
+    assert sorted(session.closed) == sorted(idle.values()) and len(backings) == 2
+    assert backings.hold(b"H" * 16) == held and backings.hold(Backings.ram_key(b"R" * 16)) == ram
+    assert backings.hold(b"\x00" * 16) == 0                          # registered again at its next open
+    backings.put(b"H" * 16)
+    backings.put(b"H" * 16)                                            # its last close: closed, not kept
+    backings.put(Backings.ram_key(b"R" * 16))                          # RAM's: kept
+    assert session.closed[-1] == held and len(backings) == 1 and backings.close_nvme_idle() == 0
+
+
 def test_a_node_id_given_out_again_is_never_taken_back_for_its_previous_file(tmp_path):
     """A node forgotten while its entry is dropped: the forget's take-back frees the id, a
     lookup of another file gets it and publishes it, and only then is the drop handled. The
