@@ -167,7 +167,7 @@ class Backings:
         self._idle: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.ram_count = 0  # of them, RAM copies (stats: opens.backing_files_ram)
-        self.nvme_idle = True  # NVMe copies kept registered after their last close (see close_idle)
+        self.nvme_idle = True  # NVMe copies kept registered after their last close (see close_nvme_idle)
 
     @staticmethod
     def key(backing: Backing) -> bytes:

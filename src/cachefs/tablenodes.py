@@ -202,13 +202,11 @@ class TableNodeOwner:
         table_fd, count = got
         if table_fd < 0:  # nothing new to write (RAM holds what was stored since)
             return count
-        if self._backings is not None:  # (the NVMe copies' registrations: RAM's stay the daemon's)
-            self.core.stats.incr("serve.checkpoint_backings_closed", self._backings.close_nvme_idle())
         if self._rows:  # a next generation
             self._checkpoint_fds.append(table_fd)
             table.publish_rows(count, table_fd, self._checkpoint_fds[0])
             log.info("serving processes answer the %d files of the checkpoint's next entry table", count)
-            self.core.stats.incr("serve.checkpoints")
+            self._checkpointed()
             return count
         try:
             data_fd = os.open(self.core.cache.fill_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -222,8 +220,16 @@ class TableNodeOwner:
             a = self.core.metadata.last_known(path)
             if a is not None and a.is_dir:
                 self._publish_dir_path(nodeid, path)
-        self.core.stats.incr("serve.checkpoints")
+        self._checkpointed()
         return count
+
+    def _checkpointed(self) -> None:
+        """A checkpoint is published: its files are table nodes, which the serving processes
+        register themselves; the daemon keeps no idle registration of an NVMe copy from now
+        on (Backings.close_nvme_idle; RAM's copies stay its own)."""
+        if self._backings is not None:
+            self.core.stats.incr("serve.checkpoint_backings_closed", self._backings.close_nvme_idle())
+        self.core.stats.incr("serve.checkpoints")
 
     def _release_checkpoints(self) -> None:
         """Once every serving process maps the newest checkpoint, the descriptors of the ones
