@@ -106,7 +106,7 @@ class Restored:
         self.used += size
         self.ticks[n] = tick
         self.whens[n] = when
-        self.checked[n] = stored_at or OUTDATED
+        self.stamp(n, stored_at)
         if tick:
             self.read += 1
             self._by_tick = array("i")  # (listed again: read_oldest)

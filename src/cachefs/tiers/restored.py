@@ -208,8 +208,9 @@ class FromTable:
         return None if t is None or not 0 <= n < t.count else t.row(n)
 
     def table_eid_size(self, n: int) -> tuple[bytes, int] | None:
-        """Record n's entry id and file size (Table.eid_size), to count the open of its
-        table node: a restored record's is remembered for that count (Restored.found)."""
+        """Record n's entry id and file size (Table.brief), to count the open of its table
+        node: a restored record's number and shape are remembered for that count
+        (Restored.found)."""
         t = self._nodes_table()
         found = None if t is None or not 0 <= n < t.count else t.brief(n)
         if found is None:
