@@ -75,6 +75,30 @@ def test_cooled_files_keep_their_place_in_the_policy_s_order(disk):
     check(t)
 
 
+def test_files_fetched_ahead_leave_memory_too_and_their_first_read_is_no_reuse(disk):
+    """Read-ahead's files not read yet are cooled as well (directory read-ahead can outrun a
+    shuffled epoch: half its files were waiting at the checkpoint, and stayed in memory).
+    Each one's first read counts no reuse, whether it stays cold or is brought in, as in
+    memory; a file read before counts its reuse as ever."""
+    t = disk()
+    for n in range(10):
+        put(t, n, os.urandom(3000 + n), evict=False)                    # fetched ahead
+    put(t, 10, os.urandom(3000))                                       # read (stored by a read)
+    assert len(t.policy._unread) == 10
+    checkpoint(t)
+    assert t._entries == {} and not t.policy._unread and sum(t._restored.fresh) == 10
+    for _ in range(200):                                               # accesses between: far apart
+        t.policy.miss()
+    seen = t.policy._hits_seen
+    assert t.hit_whole([eid(n) for n in range(5)]) == [True] * 5       # first reads, left cold
+    assert t.policy._hits_seen == seen and t._entries == {} and sum(t._restored.fresh) == 5
+    assert t.policy._held((eid(7), 0)) and (eid(7), 0) in t.policy._unread  # brought in: unread still
+    t.policy.hit((eid(7), 0))
+    assert t.policy._hits_seen == seen and (eid(7), 0) not in t.policy._unread
+    assert t.hit_whole([eid(10)]) == [True] and t.policy._hits_seen == seen + 1  # a reuse
+    check(t)
+
+
 def test_cooled_files_outlast_a_clean_stop_a_crash_and_a_compaction(disk):
     """A clean stop writes the cooled records into its table (with a confirmed file's new
     time); a crash leaves the index's lines, which a compaction during the run rewrote from

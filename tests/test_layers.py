@@ -12,7 +12,7 @@ SRC = ROOT / "src" / "cachefs"
 # Lowest first. A module may import its own layer and the layers below it.
 LAYERS = [
     ("foundation", {"errors", "identity", "config", "stats", "directio", "acl", "blocks", "policy", "readahead",
-                    "hooks", "ttlcache", "__init__"}),
+                    "hooks", "ttlcache", "heap", "__init__"}),
     ("fuse protocol", {"fuse", "fuse.kernel", "fuse.protocol", "fuse.ops", "fuse.session", "fuse.serve",
                        "fuse.servetable", "fuse.children"}),
     ("job side", {"hintclient", "mounttable", "torch", "pipeline", "diagnose"}),

@@ -1,6 +1,10 @@
 """The prefetch executor, driven by step() in the test's thread: no threads, no clock."""
 
+import sys
+
+from cachefs.blockpath import Guesses
 from cachefs.prefetch import DIR, READAHEAD, WARM, Prefetcher
+from cachefs.stats import Stats
 from tests.helpers import run_until_idle
 
 
@@ -65,3 +69,22 @@ def test_threads_run_submitted_work_and_stop():
     assert done.wait(5)
     p.stop()
     assert all(not t.is_alive() for t in p._threads)
+
+
+def test_guesses_count_uses_and_give_their_table_back_as_they_drain():
+    """Blocks fetched ahead count a use once (or a waste); once nearly all were read, the
+    set's table is rebuilt (a set keeps its size as keys go: a cold epoch's read-ahead had
+    left 4 MB of it for the rest of the mount)."""
+    stats = Stats()
+    g = Guesses(stats)
+    keys = [(i.to_bytes(16, "big"), 0) for i in range(20_000)]
+    for k in keys:
+        g.add(k)
+    full = sys.getsizeof(g._keys)
+    for k in keys[:-10]:
+        g.used(k)
+    g.used(keys[0])                                                    # counted once
+    g.lost(keys[-1])
+    assert stats.get("prefetch.used") == 19_990 and stats.get("prefetch.wasted") == 1
+    assert len(g._keys) == 9 and keys[-2] in g and keys[-1] not in g and g
+    assert sys.getsizeof(g._keys) * 50 < full

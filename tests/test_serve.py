@@ -314,6 +314,31 @@ def test_node_ids_are_reused_only_once_given_back():
     assert nodes.add("/e") not in (a, b, c, d)
 
 
+def test_nodes_give_their_tables_back_once_the_kernel_forgot_most_of_them():
+    """A cold epoch's nodes forgotten (the kernel's forgets after a checkpoint took their
+    names back): the tables are rebuilt for the nodes left, which keep their paths, ids,
+    references and pins; forgotten ids are given out again."""
+    from cachefs.identity import Attr
+    from cachefs.nodes import NODES_REBUILD_MIN
+
+    attr = Attr(0o100444, 1, 0, 0, 10, 1, 2, 3)
+    nodes = Nodes()
+    ids = [nodes.add(f"/d/f{i}", attr) for i in range(NODES_REBUILD_MIN + 10_000)]
+    keep = ids[::100]
+    assert all(nodes.pin(i) for i in keep[:5])
+    full = sys.getsizeof(nodes._paths) + sys.getsizeof(nodes._ids) + sys.getsizeof(nodes._versions)
+    for i in ids:
+        if i not in keep:
+            assert nodes.forget(i, 1)
+            nodes.recycle(i)
+    assert len(nodes) == len(keep) + 1  # (the root)
+    assert (sys.getsizeof(nodes._paths) + sys.getsizeof(nodes._ids) + sys.getsizeof(nodes._versions)) * 8 < full
+    assert all(nodes.path(i) == f"/d/f{ids.index(i)}" and nodes.id_of(nodes.path(i)) == i for i in keep)
+    assert nodes.version(keep[1]) == attr and nodes.forget(keep[1], 1) is False  # pinned: stays
+    assert nodes.unpin(keep[1]) is True and nodes.forget(keep[-1], 1) is True  # gone with its pin; not pinned
+    assert nodes.add("/new") in set(ids) - set(keep)  # an id the kernel forgot
+
+
 def test_table_node_ids_are_never_given_out_and_are_known_once_adopted():
     """Nodes.reserve: the daemon's own ids skip the table nodes' range and never recycle
     one; a table node is known once resolved (a request for it came to the daemon) or

@@ -25,10 +25,20 @@ def available() -> bool:
     return shutil.which("memcached") is not None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _free_ports(count: int) -> list[int]:
+    """`count` distinct free ports: each socket is held until all are bound (one closed
+    before the next bind can be handed out again, and two servers of one test got the
+    same port)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            socks.append(s)
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def command(port: int, ext_path: str, memory_mb: int = MEMORY_MB, ext_mb: int = EXTSTORE_MB) -> list[str]:
@@ -46,7 +56,7 @@ class MemcachedServers:
     def __init__(self, count: int, workdir: str, memory_mb: int = MEMORY_MB):
         self.workdir = workdir
         self.memory_mb = memory_mb
-        self.ports = [_free_port() for _ in range(count)]
+        self.ports = _free_ports(count)
         self.procs: list[subprocess.Popen[bytes] | None] = [None] * count
 
     @property

@@ -54,6 +54,7 @@ class Guesses:
     def __init__(self, stats: Stats):
         self._stats = stats
         self._keys: set[BlockKey] = set()
+        self._peak = 0  # the most keys since the set was last rebuilt (see _shrink)
         self._lock = threading.Lock()
         stats.gauge("prefetch.unused", lambda: len(self._keys))
 
@@ -68,17 +69,28 @@ class Guesses:
         counts a use."""
         with self._lock:
             self._keys.add(key)
+            self._peak = max(self._peak, len(self._keys))
 
     def discard(self, key: BlockKey) -> None:
         with self._lock:
             self._keys.discard(key)
+            self._shrink()
 
     def used(self, key: BlockKey) -> None:
         with self._lock:
             if key not in self._keys:
                 return
             self._keys.discard(key)
+            self._shrink()
         self._stats.incr("prefetch.used")
+
+    def _shrink(self) -> None:
+        """A set keeps its table's size as keys go (a cold epoch's directory read-ahead had
+        left 4 MB of it at 100,000 files, for the rest of the mount): rebuilt once fewer
+        than an eighth of its peak are left (under the lock)."""
+        if self._peak > 1024 and len(self._keys) * 8 < self._peak:
+            self._keys = set(self._keys)
+            self._peak = len(self._keys)
 
     def lost(self, key: BlockKey) -> None:
         """The cache let go of the block before anyone read it."""

@@ -64,18 +64,18 @@ POLICIES = ("keep", "lru")
 
 
 class Cold(Protocol):
-    """Keys a tier restored at its start and has not brought into memory yet (the NVMe
-    tier's entry table, cachefs/tiers/restored.py): held, counted in `used`, never stale or
-    pinned. `warm(key)` brings the key's entry in (the tier calls `Policy.restore`) and says
-    whether it was held. A hit may leave a key cold: `touch(key, tick, when)` records the
-    access in the cold set's own columns and returns the key's tick before (0: not read
-    since the start), or None if the key cannot stay cold (not held there, or not a whole
-    file of one block; it is then brought in). `oldest()` yields the cold keys not read
-    since the start, older than every other, in restore order with their sizes;
-    `read_oldest()` those read since, as (key, size, tick, when), oldest tick first (a key
-    read again since it was listed is left out: it is newer); `access(key)` a cold key's
-    (tick, when), or None; `holds(key)` whether a key is held there (not brought in);
-    `keys()` every cold key."""
+    """Keys a tier restored at its start and has not brought into memory yet (the NVMe tier's
+    entry table, cachefs/tiers/restored.py): held, counted in `used`, never stale or pinned.
+    `warm(key)` brings the key's entry in (the tier calls `Policy.restore`) and says whether
+    it was held. A hit may leave a key cold: `touch(key, tick, when)` records the access in
+    the cold set's own columns and returns the key's tick before (0: not read since the
+    start; -1: cooled as fetched ahead, first read now), or None if the key cannot stay cold
+    (not held there, or not a whole file of one block; it is then brought in). `oldest()`
+    yields the cold keys not read since the start, older than every other, in restore order
+    with their sizes; `read_oldest()` those read since, as (key, size, tick, when), oldest
+    tick first (a key read again since it was listed is left out: it is newer);
+    `access(key)` a cold key's (tick, when), or None; `holds(key)` whether a key is held
+    there (not brought in); `keys()` every cold key."""
 
     count: int
     used: int
@@ -136,31 +136,41 @@ class Policy:
         self._cold_when = self._clock()
         self.used += cold.used
 
-    def restore(self, items: list[tuple[Hashable, int]], tick: int = 0, when: float = 0.0) -> None:
+    def restore(self, items: list[tuple[Hashable, int]], tick: int = 0, when: float = 0.0,
+                unread: bool = False) -> None:
         """Keys of the cold set, brought into memory (their bytes already counted): the
         oldest entries if not read since the start, else the newest, as last read at `tick`
         and `when` (among the entries read since, one brought in is a little out of access
-        order: its tick says when it was read, and the idle test goes by that)."""
+        order: its tick says when it was read, and the idle test goes by that); `unread`:
+        cooled as fetched ahead and not read since (its first read is no reuse)."""
         for key, size in items:
             self._entries[key] = (size, tick, when or self._cold_when)
             if not tick:
                 self._entries.move_to_end(key, last=False)
+            if unread:
+                self._unread.add(key)
 
-    def cool(self, key: Hashable) -> tuple[int, int, float] | None:
+    def cool(self, key: Hashable) -> tuple[int, int, float, bool] | None:
         """Hand `key` to the cold set (attached): out of memory, its bytes still counted
         (the cold set adds them to its own): (its size, tick and clock time of its last
-        access), or None if it stays (not in memory, pinned, stale, or brought in by
-        read-ahead and not read yet)."""
+        access, whether it was fetched ahead and not read since), or None if it stays (not
+        in memory, pinned or stale). A file fetched ahead goes too: directory read-ahead
+        outran a shuffled epoch over local disk, and 53,000 of 100,000 files were waiting
+        for their first read at the checkpoint, kept in memory for the rest of the mount."""
         entry = self._entries.get(key)
-        if entry is None or self._cold is None or key in self._pins or key in self._stale or key in self._unread:
+        if entry is None or self._cold is None or key in self._pins or key in self._stale:
             return None
         del self._entries[key]
-        return entry
+        unread = key in self._unread
+        if unread:
+            self._unread.discard(key)
+        return entry[0], entry[1], entry[2], unread
 
     def compact(self) -> None:
         """Rebuild the entries' table after many left (cool): a dict keeps its table's size
-        as keys go, and 200,000 cooled keys had left ~15 MB of it."""
+        as keys go, and 200,000 cooled keys had left ~15 MB of it (a set too: the unread)."""
         self._entries = OrderedDict(self._entries)
+        self._unread = set(self._unread)
 
     def _held(self, key: Hashable) -> bool:
         """Whether `key` is held; a cold key is brought into memory first."""
@@ -222,6 +232,8 @@ class Policy:
                 before = cold.touch(key, self._tick + 1, now) if cold is not None and cold.count else None
                 if before is not None:
                     self._access(1)
+                    if before < 0:
+                        continue  # cooled as fetched ahead, read now: a first read, no reuse
                     reuse = self._tick - before
                 elif not self._held(key):
                     self.miss()

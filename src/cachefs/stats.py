@@ -61,7 +61,7 @@ COUNTERS: tuple[str, ...] = (
     "opens.passthrough", "opens.daemon", "opens.fallback", "opens.filled", "opens.fill_busy", "serve.answered",
     "serve.forwarded",
     "serve.published_ahead", "serve.table_registrations", "serve.table_nodes_taken", "serve.table_backings_closed",
-    "serve.checkpoints", "serve.checkpoint_backings_closed",
+    "serve.checkpoints", "serve.checkpoint_backings_closed", "serve.names_tabled",
     "hint.sessions_opened", "hint.paths", "hint.from_ram", "hint.from_disk", "hint.from_source", "hint.bytes",
     "hint.from_shared", "hint.used", "hint.expired", "hint.skipped", "hint.window_full", "hint.errors",
     "hint.left_on_disk",

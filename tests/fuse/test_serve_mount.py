@@ -479,8 +479,9 @@ def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_p
     checkpoint) whose files the serving processes answer as after a remount: with the page
     cache dropped, the next epochs' lookups and opens are theirs, registering again the
     files past the limit, instead of each coming to the daemon. The files leave the
-    daemon's memory for their records, and stay out of it through the epochs. The bytes
-    are the source's."""
+    daemon's memory for their records, and stay out of it through the epochs; the names it
+    had published are taken back, and its nodes for them go as the kernel forgets them.
+    The bytes are the source's."""
     src = tmp_path / "src"
     (src / "d").mkdir(parents=True)
     data = {f"d/f{i:02d}.jpg": os.urandom(20_000 + i) for i in range(60)}
@@ -500,6 +501,7 @@ def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_p
     s = stats(mp)
     assert s["disk"]["cooled_files"] == len(data) and s["disk"]["files"] == len(data)
     assert s["disk"]["files_in_memory"] < len(data) // 4, s["disk"]  # (f00, if the daemon opened it since)
+    assert s["serve"]["names_tabled"] >= limit // 2 and s["serve"]["names"] == 0, s["serve"]
     for seed in (2, 3):
         with open("/proc/sys/vm/drop_caches", "w") as f:  # every file looked up and opened again
             f.write("3\n")
@@ -508,17 +510,19 @@ def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_p
         after = stats(mp)
         stats_queries = after["fuse"]["getxattr"] - before["fuse"]["getxattr"]  # (stats() is read from an xattr)
         forwarded = after["serve"]["forwarded"] - before["serve"]["forwarded"] - stats_queries
-        assert forwarded <= 5, (seed, forwarded)  # the directory's lookup (without: each file's, and most opens)
+        # the directory's lookup (without: each file's, and most opens), and in the first
+        # the kernel's forgets of the daemon's nodes whose names it took back
+        assert forwarded <= (5 + limit if seed == 2 else 5), (seed, forwarded)
         assert after["serve"]["table_registrations"] > before["serve"].get("table_registrations", 0)
         assert after["disk"]["hits"] - before["disk"]["hits"] == len(data)
         assert after["opens"]["passthrough"] - before["opens"]["passthrough"] == len(data)  # once each
         assert after["fuse"].get("errors", 0) == 0
         assert after["disk"]["files_in_memory"] < len(data) // 4, after["disk"]  # (a forwarded open's)
-        # the daemon keeps no idle registration of an NVMe copy (each closed at its last
-        # close: table nodes register their own), only its published nodes' ones (a
-        # release the kernel sends after the close may still be on its way)
+        # the daemon keeps no registration of an NVMe copy (each closed at its last close:
+        # table nodes register their own), nor a node published with one (the kernel
+        # forgot them all; a release it sends after the close may still be on its way)
         deadline = time.monotonic() + 10
-        while (now := stats(mp))["opens"]["backing_files"] > now["serve"]["published"]:
+        while (now := stats(mp))["opens"]["backing_files"] or now["serve"]["published"]:
             assert time.monotonic() < deadline, (now["opens"], now["serve"])
             time.sleep(0.2)
     assert after["serve"]["table_registrations"] >= len(data) - limit
@@ -568,7 +572,9 @@ def test_files_cached_after_the_checkpoint_are_handed_over_by_the_next_one(tmp_p
         after = stats(mp)
         stats_queries = after["fuse"]["getxattr"] - before["fuse"]["getxattr"]
         forwarded = after["serve"]["forwarded"] - before["serve"]["forwarded"] - stats_queries
-        assert forwarded <= 6, (seed, forwarded)  # the directories' lookups (without: the new files' too)
+        # the directories' lookups (without: the new files' too), and in the first the
+        # kernel's forgets of the daemon's nodes whose names were taken back (16 at most)
+        assert forwarded <= (6 + 16 if seed == 2 else 6), (seed, forwarded)
         assert after["disk"]["hits"] - before["disk"]["hits"] == len(both)
         assert after["opens"]["passthrough"] - before["opens"]["passthrough"] == len(both)
         assert after["fuse"].get("errors", 0) == 0

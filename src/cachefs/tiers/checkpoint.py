@@ -32,6 +32,7 @@ from collections.abc import Container
 from typing import TYPE_CHECKING, cast
 
 from cachefs.config import format_size
+from cachefs.heap import give_back
 from cachefs.policy import Policy
 from cachefs.stats import Stats
 from cachefs.tiers import table
@@ -186,13 +187,14 @@ class Checkpoints:
                     if got is None:
                         continue
                     del self._entries[eid], self._paths[e.path]
-                    r.cool(n, got[0], got[1], got[2], e.stored_at)
+                    r.cool(n, got[0], got[1], got[2], e.stored_at, got[3])
                     cooled += 1
         if cooled:
             with self._lock:  # (a dict never shrinks as keys go: rebuilt, its table goes back to the system)
                 self._entries = dict(self._entries)
                 self._paths = dict(self._paths)
                 self.policy.compact()
+            give_back()
         self._stats.incr("disk.cooled_files", cooled)
         log.info("NVMe tier: %d files of the checkpoint left memory for its records", cooled)
         return cooled

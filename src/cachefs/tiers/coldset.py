@@ -54,6 +54,7 @@ class Restored:
         self.ticks = array("q", bytes(8 * table.count))
         self.whens = array("f", bytes(4 * table.count))
         self.shape = bytearray(table.count)
+        self.fresh = bytearray(table.count)  # cooled as fetched ahead, not read since (cool)
         # when each record's attributes were last found to be the source's since the start
         # (wall clock; 0: not since, OUTDATED: found changed): its `stored_at` then
         self.checked = array("d", bytes(8 * table.count))
@@ -86,21 +87,24 @@ class Restored:
             raise ValueError("a next generation has fewer records than the table before it")
         self.state += bytearray([WARM]) * extra
         self.shape += bytes(extra)
+        self.fresh += bytes(extra)
         self.ticks.frombytes(bytes(8 * extra))
         self.whens.frombytes(bytes(4 * extra))
         self.checked.frombytes(bytes(8 * extra))
         self.table = table
         self._recent.clear()
 
-    def cool(self, n: int, size: int, tick: int, when: float, stored_at: float) -> None:
+    def cool(self, n: int, size: int, tick: int, when: float, stored_at: float, unread: bool = False) -> None:
         """Record n's entry, a whole file of one block checked since the start (`size` bytes
         on disk), leaves memory: the policy's last access to it (`tick`, `when`) and its
         attributes' time go into the columns, as for a record read since the start; one
         admitted before the policy's first access and not read since (tick 0) is among the
         oldest, in the table's order (stored_at), as a record not read since a start is.
-        The tier's lock held."""
+        `unread`: fetched ahead and not read yet (its admission is its access; its first
+        read counts no reuse, see touch). The tier's lock held."""
         self.state[n] = TRUSTED
         self.shape[n] = SINGLE
+        self.fresh[n] = unread
         self.files += 1
         self.count += 1
         self.used += size
@@ -191,7 +195,9 @@ class Restored:
         return shape == SINGLE
 
     def touch(self, key: Hashable, tick: int, when: float) -> int | None:
-        """A hit on `key` that leaves its record cold (Cold.touch); the tier's lock held."""
+        """A hit on `key` that leaves its record cold (Cold.touch): the tick of its access
+        before (0: none since the start; -1: cooled as fetched ahead, and this is its
+        first read); the tier's lock held."""
         eid, block = cast(BlockKey, key)
         n = self.number(eid, forget=True) if block == 0 and self.files else None
         if n is None or self.state[n] >= WARM or not self._single(n):
@@ -199,6 +205,9 @@ class Restored:
         before = self.ticks[n]
         if not before:
             self.read += 1
+        if self.fresh[n]:
+            self.fresh[n] = 0
+            before = -1
         self.touches += 1
         self.ticks[n] = tick
         self.whens[n] = when

@@ -331,7 +331,8 @@ class FromTable:
         if row.newest and r is not None and n not in r.unpathed and row.path not in self._paths:
             self._paths[row.path] = row.eid
         # (as last read while cold, if it was: Restored.touch)
-        self.policy.restore([((row.eid, i), size) for i, size in held], *(r.ticks[n], r.whens[n]) if r else ())
+        self.policy.restore([((row.eid, i), size) for i, size in held],
+                            *(r.ticks[n], r.whens[n], bool(r.fresh[n])) if r else ())
 
     def _lost(self, eid: bytes) -> None:
         """A restored record failed its CRC: its file goes (fetched again when read)."""
