@@ -21,6 +21,7 @@ from unittest import mock
 
 import pytest
 
+from cachefs.config import CHECKPOINT_MIN_FILES
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import (
     MAIN_CHECK,
@@ -1067,9 +1068,10 @@ def test_a_serving_process_maps_a_checkpoints_table_once_the_main_process_publis
 
 def test_a_checkpoint_waits_for_an_epoch_that_reads_what_is_cached():
     """The NVMe tier is checkpointed once it holds more files than the limit, has stopped
-    growing, and the job opens files: not while a cold epoch still fetches, nor while the
-    job pauses (nothing opened), nor below the limit; and again once it cached many more."""
-    held, limit = 100_000, 16_384
+    growing, and the job opens files: not while a cold epoch still fetches (below
+    CHECKPOINT_MIN_FILES), nor while the job pauses (nothing opened), nor below the limit;
+    and again once it cached many more."""
+    held, limit = 60_000, 16_384
     assert checkpoint_due(limit, held, grown=0, opened=500)
     assert checkpoint_due(limit, held, grown=held // 1000, opened=1)      # a trickle: read-ahead's last
     assert not checkpoint_due(limit, held, grown=held // 1000 + 1, opened=500)  # a cold epoch fetching
@@ -1082,3 +1084,17 @@ def test_a_checkpoint_waits_for_an_epoch_that_reads_what_is_cached():
     assert not checkpoint_due(limit, held, grown=0, opened=500, tabled=80_000, since=10_000)
     assert not checkpoint_due(limit, held, grown=held // 100, opened=500, tabled=80_000, since=20_000)
     assert not checkpoint_due(limit, held, grown=0, opened=0, tabled=80_000, since=20_000)
+
+
+def test_a_growing_tier_past_the_memory_threshold_is_checkpointed_at_each_doubling():
+    """While a cold epoch still fetches, a tier past CHECKPOINT_MIN_FILES is checkpointed
+    for the daemon's memory, then again each time the files stored since outnumber the
+    table's: at the epoch's end the daemon holds at most the last half in memory."""
+    first, limit = CHECKPOINT_MIN_FILES, 16_384
+    assert not checkpoint_due(limit, first, grown=5_000, opened=500)            # not past it yet
+    assert checkpoint_due(limit, first + 1, grown=5_000, opened=500)
+    assert checkpoint_due(1 << 20, first + 1, grown=5_000, opened=500)          # below the backing limit too
+    assert not checkpoint_due(limit, first + 1, grown=5_000, opened=0)          # read-ahead alone: no epoch
+    assert not checkpoint_due(limit, 10 * first, grown=10 * first + 1, opened=500)  # the first look
+    assert not checkpoint_due(limit, 2 * first, grown=5_000, opened=500, tabled=first + 1, since=first)
+    assert checkpoint_due(limit, 2 * first + 2, grown=5_000, opened=500, tabled=first + 1, since=first + 2)

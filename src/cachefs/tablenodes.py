@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 UNNAME_BATCH = 2048  # names taken back at a time under the names' lock (a lookup waits for it)
 
 
-def checkpoint_due(limit: int, held: int, grown: int, opened: int, tabled: int = 0, since: int = 0) -> bool:
+def checkpoint_due(limit: int, held: int, grown: int, opened: int, tabled: int = 0, since: int = 0,
+                   growing_from: int = CHECKPOINT_MIN_FILES) -> bool:
     """Whether the NVMe tier's `held` files are to be checkpointed now: more than `limit`
     (--backing-files), grown by less than 1/CHECKPOINT_QUIET of them in the last
     CHECKPOINT_EVERY while the job opened files. A cold epoch still fetching grows the tier
@@ -53,9 +54,18 @@ def checkpoint_due(limit: int, held: int, grown: int, opened: int, tabled: int =
     pauses (a model checkpoint written mid-epoch) opens nothing: the checkpoint waits for
     an epoch that reads what is cached. After one of `tabled` files, the next generation
     is due on the same terms once the files stored `since` are more than 1/CHECKPOINT_NEXT
-    of them (the rest of a cold epoch that paused, another dataset)."""
+    of them (the rest of a cold epoch that paused, another dataset).
+
+    A cold epoch still fetching has its files checkpointed too, for the daemon's memory,
+    once the tier holds more than `growing_from` (CHECKPOINT_MIN_FILES) and then each time
+    the files stored since the last are more than the table's: what the daemon holds at
+    the epoch's end (its high-water mark) is the files stored since the last generation,
+    at most half of them, and the tables written add up to less than twice the last."""
     quiet = 0 <= grown <= held // CHECKPOINT_QUIET and opened > 0
-    return held > limit and quiet and (not tabled or since > tabled // CHECKPOINT_NEXT)
+    if held > limit and quiet and (not tabled or since > tabled // CHECKPOINT_NEXT):
+        return True
+    growing = 0 < grown <= held and opened > 0  # (the first look sees everything as grown)
+    return growing and held > growing_from and (not tabled or since > tabled)
 
 
 class TableNodeOwner:
@@ -156,10 +166,12 @@ class TableNodeOwner:
         registration was closed past the limit was the daemon's to look up and register
         again at each open, forwarded: at 1.28 million files, 0.557 ms of CPU per file in
         the first mount against 0.132 after a remount, where table nodes are the serving
-        processes'. Past CHECKPOINT_MIN_FILES too, below the limit: the files a checkpoint
-        records leave the daemon's objects where they are idle (about 1 KB each; the
-        process's resident memory stays at the cold epoch's mark, design.md "Where it goes
-        now"). A checkpoint that fails is not tried again. See checkpoint_due."""
+        processes'. Past CHECKPOINT_MIN_FILES too, below the limit, and while a cold epoch
+        still grows the tier (each time it doubled): the files a checkpoint records leave
+        the daemon's objects where they are idle (about 1 KB each, and their published
+        names), which lowers the cold epoch's mark, where the process's resident memory
+        stays (design.md "Where it goes now"). A checkpoint that fails is not tried again.
+        See checkpoint_due."""
         last, opened, tabled, failed = -1, 0, 0, False
         stats, cache = self.core.stats, self.core.cache
         while not self._checkpoint_stop.wait(CHECKPOINT_EVERY):
