@@ -520,7 +520,8 @@ class Nodes:
     def _rebuild(self) -> None:
         """The tables rebuilt for the nodes held now: a dict keeps its table's size as keys
         go, and the kernel forgetting a cold epoch's nodes (200,000 files) had left ~30 MB
-        of them. Once more nodes were dropped than twice those held (under the lock)."""
+        of them. Once more nodes were dropped than twice those held, under the lock (a
+        lookup waits out the copies and the heap's trim, tens of ms, once per so many)."""
         self._paths, self._ids, self._refs = dict(self._paths), dict(self._ids), dict(self._refs)
         self._versions, self._pins = dict(self._versions), dict(self._pins)
         self._dropped = 0
