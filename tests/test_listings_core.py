@@ -320,12 +320,41 @@ def test_kept_listings_round_trip_odd_names_refuse_damage_and_stay_in_budget(tmp
     store.close()
     held[0] = 0   # a new start holds what the last one kept, and deletes leftovers
     open(os.path.join(sub, "junk.tmp"), "wb").close()
+    os.utime(os.path.join(sub, "junk.tmp"), (time.time() - 60, time.time() - 60))   # a run cut short
     again = ListingStore(str(tmp_path / "l"), reserve, unreserve)
+    open(os.path.join(sub, "writing.tmp"), "wb").close()   # this run's write, in flight
     again.adopt_existing()
     subdirs = len(os.listdir(tmp_path / "l"))   # each a 4 KiB block, beside /d's file
     assert held[0] == 4096 * (subdirs + 1) and again.load("/d")[1] == entries
-    assert not os.path.exists(os.path.join(sub, "junk.tmp"))
+    assert not os.path.exists(os.path.join(sub, "junk.tmp")) and os.path.exists(os.path.join(sub, "writing.tmp"))
     again.close()
+
+
+def test_a_listing_written_as_a_start_counts_the_kept_ones_is_kept(tmp_path, monkeypatch):
+    """The start's count (adopt_existing, in the background) leaves this run's writes in
+    flight alone: it deleted their temporary file, the write failed and the listing went
+    with it (the first directory a walk listed was listed from the source again after the
+    next restart: seen under load)."""
+    store = ListingStore(str(tmp_path / "l"), lambda n: True, lambda n: None)
+    entries = [DirEntry("f0", stat.S_IFREG, 1)]
+    written = threading.Event()
+    counted = threading.Event()
+    replace = os.replace
+
+    def replace_after_the_count(src, dst):   # the write waits, its .tmp there, for the count
+        written.set()
+        counted.wait(10)
+        return replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_after_the_count)
+    store.save("/t/c0", entries)
+    assert written.wait(10)
+    store.adopt_existing()
+    counted.set()
+    store.flush()
+    monkeypatch.undo()
+    assert store.load("/t/c0")[1] == entries and store.has("/t/c0")
+    store.close()
 
 
 def test_a_kept_listing_is_found_while_a_start_counts_them(tmp_path):

@@ -38,6 +38,7 @@ _COUNT = struct.Struct("<I")  # then the entries, packed as a Listing holds them
 _ATTR = struct.Struct("<IQIIqqqqqQQ")
 # Listings waiting to be written; more are not kept (the next start lists them again).
 PENDING_MAX = 4096
+TMP_MARGIN = 2.0  # seconds: a file's time is the kernel's coarse clock, a tick behind time.time()
 DIR_BYTES = 4096  # what a directory of kept listings takes
 
 
@@ -90,6 +91,7 @@ class ListingStore:
         self._pending: queue.Queue[tuple[str, Iterable[DirEntry], float, Attr | None] | None] = queue.Queue(PENDING_MAX)
         self._made: set[str] = set()  # subdirectories made (and held) in this run
         self._adopted = False  # whether adopt_existing has counted what a previous run kept
+        self._started = time.time()  # (a .tmp older than this is a previous run's: adopt_existing)
         os.makedirs(directory, mode=0o700, exist_ok=True)
         self._writer = threading.Thread(target=self._write_loop, name="cachefs-listings", daemon=True)
         self._writer.start()
@@ -161,10 +163,17 @@ class ListingStore:
                 self._made.add(sub)
             for f in files:
                 try:
-                    size = f.stat(follow_symlinks=False).st_blocks * 512
+                    st = f.stat(follow_symlinks=False)
                 except OSError:
                     continue
-                if f.name.endswith(".tmp") or not self._hold(f.name, size):
+                if f.name.endswith(".tmp"):
+                    # a run cut short mid-write left it; one of this run's writes is in
+                    # flight (deleted, it failed, and its kept listing went with it: the
+                    # first directory a walk listed at a start, listed again at the next)
+                    if st.st_mtime < self._started - TMP_MARGIN:
+                        self._remove(sub, f.name)
+                    continue
+                if not self._hold(f.name, st.st_blocks * 512):
                     self._remove(sub, f.name)
         self._adopted = True
 
