@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from cachefs.blocks import block_key
 from cachefs.control import ControlServer
 from cachefs.daemon import control_streams
 from cachefs.hintclient import HintClient
@@ -205,8 +206,41 @@ def test_an_epoch_cut_short_or_a_job_that_skips_leaves_nothing_pinned(source):
     run_until_idle(p)
     assert core.cache.ram.pinned_bytes > 0
     board.close(second)                                      # the epoch ended early
-    assert core.cache.ram.pinned_bytes == 0 and not board.holding
+    assert core.cache.ram.pinned_bytes == 0 and board.holding  # (the first session is open)
+    board.close(session)
+    assert not board.holding
     core.cache.ram.check()
+
+
+def test_files_the_job_read_before_their_fetch_are_not_pinned_and_watchers_hear_sessions(source):
+    files = make_dataset(source, 40)
+    core, p = hinted_core(source, ram=4_000_000)
+    board = core.hints
+    heard: list[bool] = []
+    board.watch(heard.append)
+    order = list(files)
+    session = board.open("job")
+    second = board.open("job 2")
+    assert heard == [True]                                   # the first session only
+    board.add(session, order[:20], yielded=0)
+    for path in order[:10]:                                  # the job got ahead of the pool
+        assert core.read(path, 0, FILE) == files[path]
+    run_until_idle(p)
+    assert core.stats.get("hint.passed") == 10               # read already: not pinned
+    assert core.stats.get("hint.from_ram") == 0
+    assert set(session.holds) == {block_key(core.namespace, core.file_id(path), 0, BS) for path in order[10:20]}
+    for path in order[10:20]:
+        assert core.read(path, 0, FILE) == files[path]
+    assert session.pinned == 0 and core.stats.get("hint.used") == 10
+    board.close(session)
+    assert heard == [True]
+    board.close(second)                                      # the last one
+    assert heard == [True, False] and not board.holding
+    late: list[bool] = []
+    third = board.open("job 3")
+    board.watch(late.append)                                 # a watcher added while a session is open
+    board.close(third)
+    assert late == [True, False] and heard == [True, False, True, False]
 
 
 def test_two_jobs_share_the_budget_and_each_reads_from_ram(source):

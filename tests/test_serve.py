@@ -389,6 +389,33 @@ def test_a_full_batch_is_reported_without_waiting_for_an_idle_moment(table, monk
         k.close()
 
 
+def test_while_the_main_process_asks_opens_are_reported_every_few_without_an_idle_moment(table, monkeypatch):
+    """Order hints release a file's pin when the daemon hears of its open: while a session
+    is open the main process asks for a report every few opens, not every 512 requests."""
+    monkeypatch.setattr("cachefs.fuse.serve.REPORT_AFTER", 3600.0)  # never idle long enough
+    table.publish(5, 9)
+    k = FakeKernel(table)
+    try:
+        def open_release(times: int) -> None:
+            for _ in range(times):
+                k.send(p.OPEN, 5, open_in(O_RDONLY))
+                assert k.reply()[1] == 0
+                k.send(p.RELEASE, 5, release_in(OWN_FH | 5))
+                assert k.reply()[1] == 0
+
+        table.report_opens(4)
+        open_release(4)
+        counts, opened = decode_report(memoryview(k.forwarded())[4:])
+        assert list(opened) == [5] * 4 and counts["open"][0] == 4 and counts["release"][0] == 3
+        table.report_opens(0)  # the sessions ended: back to a report per REPORT_EVERY requests
+        open_release(8)
+        k.main.settimeout(0.3)
+        with pytest.raises(TimeoutError):
+            k.main.recv(1 << 16)
+    finally:
+        k.close()
+
+
 def test_a_serving_process_stops_reading_while_its_forwarded_requests_wait(table):
     """A request handed to a file system cannot be killed until it is answered: while the
     main process does not answer (hung, or stopped) a serving process reads no more than

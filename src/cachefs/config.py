@@ -401,6 +401,15 @@ WAKE_MORE_ROOM = 0.25
 # tools/torchbench.py hint on this 2-core machine, where NVMe reads take ~0.2 ms, hinted
 # epochs ran at 0.63x of plain ones when every block was fetched ahead.
 HINT_DISK_LATENCY = 0.001
+# How many blocks read ahead of their hinted fetch the daemon remembers (so as not to pin
+# them after the read): ~100 bytes each; a job more than this far ahead of the pool has
+# had its window's worth of misses already.
+HINT_READ_MEMORY = 1 << 14
+# While a hint session is open, each serving process reports after this many opens (a
+# hinted file's pin goes when the daemon hears of its open; see ServeTable.report_opens)
+# instead of after 512 requests: a report per four opens, each a message and ~30 us of the
+# daemon's CPU, against pins of read files holding the window's room for a hundred files.
+HINT_REPORT_OPENS = 4
 # Paths a session may queue in the daemon; a client past this is cut off at the oldest.
 MAX_QUEUED_PATHS = 1 << 16
 

@@ -190,6 +190,7 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
     from cachefs.control import ControlServer, address_for
     from cachefs.directio import raise_descriptor_limit
     from cachefs.fs import CachefsFS
+    from cachefs.hints import HintBoard
 
     os.umask(0o077)  # every file the daemon creates (cache blocks, logs) is private
     _limit_malloc_arenas()
@@ -229,6 +230,8 @@ def serve(config: Config, on_ready: Callable[[], None] | None = None) -> None:
         stop = _stop_on_signals(config.mountpoint, session)
         session.negotiate()
         fs.start_serving(session.conn)
+        if isinstance(core.hints, HintBoard):
+            core.hints.watch(fs.hint_sessions)
         start_fetchers(core, config)
         session.start()
         threading.Thread(target=tune_readahead, args=(config.mountpoint,), daemon=True).start()

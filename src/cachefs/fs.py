@@ -30,7 +30,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from cachefs.config import NODE_TABLE_CAPACITY, Config, backing_limit
+from cachefs.config import HINT_REPORT_OPENS, NODE_TABLE_CAPACITY, Config, backing_limit
 from cachefs.core import Core
 from cachefs.directio import OUT_OF_DESCRIPTORS, descriptor_limit, trim_descriptors
 from cachefs.errors import QUIET, to_errno
@@ -187,6 +187,13 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         self.core.stats.set_info(zero_message_open=self.zero_message_open)
         self._invalidator = threading.Thread(target=self._invalidate_loop, name="cachefs-invalidate", daemon=True)
         self._invalidator.start()
+
+    def hint_sessions(self, on: bool) -> None:
+        """Order hints' sessions started (True) or all ended: meanwhile the serving
+        processes report every HINT_REPORT_OPENS opens (a hinted file's pin goes when the
+        daemon hears of its open: see design.md, "Order hints")."""
+        if self._table is not None:
+            self._table.report_opens(HINT_REPORT_OPENS if on else 0)
 
     def start_serving(self, conn: Connection) -> None:
         """After INIT: choose how opens are served (see config.PASSTHROUGH_MODES), testing

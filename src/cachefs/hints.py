@@ -21,6 +21,8 @@ The daemon (HintBoard):
     and a hinted block replaces unpinned ones (oldest access first) whatever the policy;
   - keeps at most `budget` bytes pinned: HINT_RAM_SHARE of the RAM tier, split evenly
     between the live sessions, so it never evicts what it fetched before it is read;
+  - never pins a block the job read before its fetch started (the job got ahead of the
+    pool there: the fetch moves on to the next file);
   - releases a pin when the block is read, when the job's sampler is `lookahead` samples
     past it (the job skipped it), and when the session ends: an epoch cut short or a
     crashed job leaves nothing pinned.
@@ -38,7 +40,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 from cachefs.blocks import block_extent, block_key
-from cachefs.config import HINT_DISK_LATENCY, HINT_RAM_SHARE, MAX_QUEUED_PATHS, WAKE_MORE_ROOM
+from cachefs.config import HINT_DISK_LATENCY, HINT_RAM_SHARE, HINT_READ_MEMORY, MAX_QUEUED_PATHS, WAKE_MORE_ROOM
 from cachefs.hintclient import DEFAULT_LOOKAHEAD
 from cachefs.identity import BlockKey, FileId
 
@@ -81,8 +83,15 @@ class HintBoard:
         self._ids = itertools.count(1)
         self._turn = 0
         self._fetching: dict[BlockKey, bool] = {}  # key being fetched -> a job read it meanwhile
-        # Read by Core on every block read: True while any pin is held by any session.
+        # Blocks a job read while a session was open, before any session pinned them or
+        # started their fetch: the job got ahead of the pool there, and fetching one now
+        # would pin a block already read, holding a share of the window until the session
+        # ends (a bounded memory, oldest first: HINT_READ_MEMORY).
+        self._read_first: dict[BlockKey, None] = {}
+        # Read by the block path on every block read: True while a session is open or a pin
+        # is held (the only cost on the read path without a session is this test).
         self.holding = False
+        self._watchers: list[Callable[[bool], None]] = []  # told when sessions start and stop
         stats = core.stats
         stats.gauge("hint.sessions", lambda: len(self._sessions))
         stats.gauge("hint.pinned_bytes", lambda: sum(s.pinned for s in list(self._sessions.values())))
@@ -94,8 +103,21 @@ class HintBoard:
         with self._lock:
             session = HintSession(next(self._ids), label, lookahead)
             self._sessions[session.id] = session
+            self.holding = True
+            if len(self._sessions) == 1:
+                for watcher in self._watchers:
+                    watcher(True)
         self._core.stats.incr("hint.sessions_opened")
         return session
+
+    def watch(self, watcher: Callable[[bool], None]) -> None:
+        """Call `watcher(True)` when sessions start (now, if some are open) and
+        `watcher(False)` when the last one ends; under the board's lock, so it must be
+        quick (the serving processes' report interval: ServeTable.report_opens)."""
+        with self._lock:
+            self._watchers.append(watcher)
+            if self._sessions:
+                watcher(True)
 
     def budget(self) -> int:
         """Bytes one session may hold pinned now."""
@@ -135,6 +157,11 @@ class HintBoard:
             unread = len(session.holds)
             for key in list(session.holds):
                 self._release(session, key)
+            if not self._sessions:
+                self._read_first.clear()
+                self.holding = bool(self._holders)
+                for watcher in self._watchers:
+                    watcher(False)
         if unread:
             self._core.stats.incr("hint.expired", unread)
         self._wake()
@@ -150,7 +177,7 @@ class HintBoard:
             if not holders:
                 del self._holders[key]
         self._cache.unpin(key)
-        self.holding = bool(self._holders)
+        self.holding = bool(self._holders) or bool(self._sessions)
 
     def _wake(self, one: bool = False) -> None:
         if self._core.prefetcher is not None:
@@ -165,6 +192,11 @@ class HintBoard:
             if not holders:
                 if key in self._fetching:
                     self._fetching[key] = True  # read off the fetch itself, before its pin lands
+                elif self._sessions:
+                    read_first = self._read_first
+                    read_first[key] = None
+                    if len(read_first) > HINT_READ_MEMORY:
+                        del read_first[next(iter(read_first))]
                 return
             session = min(holders, key=lambda s: s.holds[key][0])
             was_full = session.full or session.pinned >= self.budget()
@@ -238,6 +270,10 @@ class HintBoard:
         size = self._cache.room_of(length)  # what it takes in RAM (whole pages), as the tier counts it
         with self._lock:
             if session.closed or key in session.holds:
+                return True
+            if key in self._read_first:  # the job read it already: no pin, on to the next
+                del self._read_first[key]
+                core.stats.incr("hint.passed")
                 return True
             # Bytes in flight are reserved, so that concurrent fetches (one per pool
             # thread) never take the session past its budget, nor RAM past the pin limit.

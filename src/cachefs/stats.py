@@ -64,7 +64,7 @@ COUNTERS: tuple[str, ...] = (
     "serve.checkpoints", "serve.checkpoint_backings_closed", "serve.names_tabled",
     "hint.sessions_opened", "hint.paths", "hint.from_ram", "hint.from_disk", "hint.from_source", "hint.bytes",
     "hint.from_shared", "hint.used", "hint.expired", "hint.skipped", "hint.window_full", "hint.errors",
-    "hint.left_on_disk",
+    "hint.left_on_disk", "hint.passed",
 )
 GAUGES: tuple[str, ...] = (
     "ram.used_bytes", "ram.capacity_bytes", "ram.entries", "ram.files",

@@ -63,6 +63,20 @@ def ram_counts(mp):
     return s["ram"].get("hits", 0), s["ram"].get("misses", 0), s.get("hint", {})
 
 
+def block_counts(mp):
+    """Blocks the job's reads looked up, and of them found in RAM and on NVMe."""
+    s = stats(mp)
+    hits, misses = s["ram"].get("hits", 0), s["ram"].get("misses", 0)
+    return hits + misses, hits, s.get("disk", {}).get("hits", 0)
+
+
+def shares(before, after):
+    """Of an epoch's block lookups: the share RAM served, the share the source did (at the
+    job's read: neither RAM nor NVMe had it)."""
+    looked, ram, disk = (a - b for a, b in zip(after, before, strict=True))
+    return ram / looked, (looked - ram - disk) / looked
+
+
 def settled(mp, timeout=10.0):
     """The hint stats once every session has ended (the daemon sees a closed connection
     a moment after the job closes it)."""
@@ -99,18 +113,22 @@ def test_hinted_sampler_over_a_dataset_larger_than_the_cache_reads_from_ram(tmp_
     direct, mounted = ImageFolder(str(src)), ImageFolder(str(mp))
     assert hinted_epoch(mounted, 1, hinted=False) == hinted_epoch(direct, 1, hinted=False)
     drop_caches()
-    h0, m0, _ = ram_counts(mp)
+    c0 = block_counts(mp)
     assert hinted_epoch(mounted, 2, hinted=False) == hinted_epoch(direct, 2, hinted=False)
-    h1, m1, _ = ram_counts(mp)
-    plain = (h1 - h0) / (h1 - h0 + m1 - m0)
+    c1 = block_counts(mp)
     drop_caches()
     assert hinted_epoch(mounted, 3) == hinted_epoch(direct, 3, hinted=False)
-    h2, m2, _ = ram_counts(mp)
+    c2 = block_counts(mp)
     hint = settled(mp)
-    hinted = (h2 - h1) / (h2 - h1 + m2 - m1)
-    # measured: 0.12-0.25 against 0.78-1.0 (the first files are read before the pool,
-    # fetching from a 1 ms store, gets ahead of the job)
-    assert plain < 0.4 and hinted > 0.6, (plain, hinted, hint)
+    plain, hinted = shares(c0, c1), shares(c1, c2)
+    # measured: RAM 0.19-0.25 of the blocks and the source 0.73-0.81 without hints; with
+    # them RAM 0.86-0.94 and the source 0.01-0.03 (the first files are read before the
+    # pool, fetching from a 1 ms store, gets ahead of the job; blocks on a fast NVMe tier
+    # are left there: the job's read of them costs less than a fetch ahead). The source's
+    # share was 0.07-0.19 while the serving processes reported opens every 512 requests,
+    # the pins of read files held until then (a CI run: RAM 0.59).
+    assert plain[0] < 0.4 and plain[1] > 0.5, (plain, hinted, hint)
+    assert hinted[0] > 0.6 and hinted[1] < 0.08, (plain, hinted, hint)
     assert hint["used"] > 120 and hint["from_source"] > 100
     assert hint["sessions"] == 0 and hint["pinned_bytes"] == 0   # the epoch's session ended
 

@@ -25,9 +25,11 @@ serving process reads nothing while the main process is stopped (SIGSTOP, a debu
 and stops reading while MAX_FORWARDED of its requests wait for the main process: a hung
 main process then holds a bounded number of callers, and the rest stay killable. The
 main process answers a forwarded request on the serving process's descriptor (it keeps a
-copy): the kernel takes a reply only on the descriptor its request was read from. Every `REPORT_EVERY` requests (or
-`REPORT_AFTER` seconds idle) a process reports what it answered: counts per operation and
-the node ids it opened, which the main process counts as the tiers' hits.
+copy): the kernel takes a reply only on the descriptor its request was read from. Every
+`REPORT_EVERY` requests (or `REPORT_AFTER` seconds idle, or as many opens as the main
+process asks for while order hints are on: ServeTable.report_opens) a process reports what
+it answered: counts per operation and the node ids it opened, which the main process counts
+as the tiers' hits.
 
 The table is cachefs/fuse/servetable.py. After a start from the NVMe tier's entry table,
 a serving process also answers table nodes: the files of that table, one node id per
@@ -58,6 +60,7 @@ from cachefs.fuse.servetable import (
     ANSWERED,
     FORWARDED,
     PENDING,
+    REPORT_OPENS,
     REPORTS,
     ROW_FREE,
     ROW_TAKEN,
@@ -154,6 +157,7 @@ class Server:
         clock, now_ns, monotonic = time.perf_counter_ns, time.monotonic_ns, time.monotonic
         stats, opened = self.stats, self.opened
         forwarded, answered, pending = step + FORWARDED, step + ANSWERED, step + PENDING
+        report_opens = step + REPORT_OPENS
         bufs, readv = [buf], os.readv
         OPEN, RELEASE, IOCTL, LOOKUP, FORGET, BATCH_FORGET, GETATTR = (
             p.OPEN, p.RELEASE, p.IOCTL, p.LOOKUP, p.FORGET, p.BATCH_FORGET, p.GETATTR)
@@ -275,7 +279,7 @@ class Server:
             stats[2 * kind + 1] += (clock() - start) // 1000
             self.answered += 1
             busy[pending] = self.answered
-            if self.answered >= REPORT_EVERY:
+            if self.answered >= REPORT_EVERY or (kind == _OPEN and 0 < busy[report_opens] <= len(opened)):
                 self.report()
 
     def row_lookup(self, parent: int, name: bytes) -> tuple[int, bytes] | None:

@@ -51,9 +51,10 @@ _LINE = 64                                 # each process's busy counter on a ca
 
 
 # A serving process's cache line in the table: u64 counters at these indices (the main
-# process writes ANSWERED, the serving process the others; MAPPED: the generation of
-# table nodes it maps)
-BUSY, PENDING, REPORTS, FORWARDED, ANSWERED, MAPPED = 0, 1, 2, 3, 4, 5
+# process writes ANSWERED and REPORT_OPENS, the serving process the others; MAPPED: the
+# generation of table nodes it maps; REPORT_OPENS: report after this many opens, 0 for
+# REPORT_EVERY requests, see ServeTable.report_opens)
+BUSY, PENDING, REPORTS, FORWARDED, ANSWERED, MAPPED, REPORT_OPENS = 0, 1, 2, 3, 4, 5, 6
 F_OFD_SETLKW = 38         # (fcntl.F_OFD_SETLKW where Python has it; Linux 3.15)
 
 
@@ -473,6 +474,14 @@ class ServeTable:
 
     def set_line(self, index: int, field: int, value: int) -> None:
         self.busy[index * (_LINE // 8) + field] = value
+
+    def report_opens(self, every: int) -> None:
+        """Ask every serving process to report after `every` opens (0: after REPORT_EVERY
+        requests, the default): while a job's order hints hold files pinned in RAM, each
+        pin goes when the daemon hears of the file's open, and a report of 512 requests
+        held the reads of a hundred files or more pinned, a window's worth."""
+        for k in range(self.processes):
+            self.set_line(k, REPORT_OPENS, every)
 
     def take_counts(self, nodeid: int) -> int:
         """The serving processes' open counts of `nodeid`, summed and zeroed (after
