@@ -102,19 +102,21 @@ class Checkpoints:
             since, self.stored_since_checkpoint = self.stored_since_checkpoint, 0
         old = self._checkpoint
         found = None
-        rows: list[Row | None] = []
-        kept = 0
+        count = kept = 0
         try:
-            rows = self._rows_kept(old, held, now)
-            kept = len(rows)
-            new = [row_of(e, now) for e in held.values() if e.eid not in skip and e.present]
-            new.sort(key=lambda row: row.stored_at)
-            rows += new
-            if room is not None and len(rows) > room:
-                log.info("NVMe tier: a checkpoint of %d files is more than the serving table has room for",
-                         len(rows))
-            elif len(rows) > kept:
-                found = self._write_checkpoint(rows, now, kept)
+            # the records before in their numbers (each one's entry where memory holds it),
+            # then the entries cached since with a block held, oldest first: entries, not
+            # rows, until each row is written (a Row per record at once was ~700 bytes each)
+            before = [held.pop(old.eid_of(n), None) for n in range(old.count)] if old is not None else []
+            new = [e for e in held.values() if e.eid not in skip and e.present and any(h is not None for h in e.hashes)]
+            del held
+            new.sort(key=lambda e: e.stored_at)
+            kept = len(before)
+            count = kept + len(new)
+            if room is not None and count > room:
+                log.info("NVMe tier: a checkpoint of %d files is more than the serving table has room for", count)
+            elif count > kept:
+                found = self._write_checkpoint(old, before, new, now)
         finally:
             with self._lock:  # the newest of a path stored while it was written is not the table's
                 if found is not None:
@@ -124,13 +126,14 @@ class Checkpoints:
                     if old is not None:  # mapped by the serving processes until they take the new one
                         self._retired_bytes += old.size
                     self._checkpoint_bytes = found[1] + self._retired_bytes
-                elif len(rows) > kept:  # (not written: those files are still to be)
+                elif count > kept:  # (not written: those files are still to be)
                     self.stored_since_checkpoint += since
                 newer, self._stored_since_copy = self._stored_since_copy, None
         if found is None:
-            return (-1, kept) if len(rows) == kept else None
+            return (-1, kept) if count == kept else None
         self._taken_over(found[0], old, newer or [])
-        self._cool(found[0], rows, skip)
+        self._cool(found[0], [(n, e) for n, e in enumerate(before) if e is not None]
+                   + [(kept + i, e) for i, e in enumerate(new)], found[2], skip)
         return os.dup(found[0].fileno()), found[0].count
 
     def _taken_over(self, t: Table, old: Table | None, newer: list[tuple[str, bytes]]) -> None:
@@ -147,41 +150,27 @@ class Checkpoints:
         log.info("NVMe tier: checkpoint of %d files written (%s)%s", t.count, format_size(t.size),
                  f", {t.count - old.count} after the {old.count} of the one before" if old is not None else "")
 
-    def _rows_kept(self, old: Table | None, held: dict[bytes, Entry], now: int) -> list[Row | None]:
-        """The records of the table before, in their numbers: each from the entry in memory
-        (taken off `held`) where the tier holds it, else as that table has it (a cold
-        record's with its attributes' time since; None where its record fails its CRC)."""
-        if old is None:
-            return []
-        r = self._restored
-        rows: list[Row | None] = []
-        for n in range(old.count):
-            e = held.pop(old.eid_of(n), None)
-            rows.append(row_of(e, now) if e is not None else r.row(n) if r is not None and r.cold(n) else old.row(n))
-        return rows
-
-    def _cool(self, t: Table, rows: list[Row | None], skip: Container[bytes]) -> int:
-        """After checkpoint `t` of `rows`: the entries it records that are idle leave memory
-        for its cold set (see the module docstring); RAM's (`skip`) and the others stay. In
-        batches of COOL_BATCH under the tier's lock; the number cooled."""
-        newest = {row.path: n for n, row in enumerate(rows) if row is not None}  # (the table's path buckets)
+    def _cool(self, t: Table, candidates: list[tuple[int, Entry]], hidden: set[int], skip: Container[bytes]) -> int:
+        """After checkpoint `t`: of the entries in memory it records (`candidates`: record
+        number, entry), those idle leave memory for its cold set (see the module
+        docstring); RAM's (`skip`), the records the path buckets do not lead to (`hidden`)
+        and the others stay. In batches of COOL_BATCH under the tier's lock; the number
+        cooled."""
         with self._lock:
             r = self._restored
             if r is None:
                 r = self._restored = Restored.of_checkpoint(t, self._bring, self._lost, self._lock)
                 self.policy.attach_cold(r)
-        todo = list(newest.values())
-        del newest
         cooled = 0
-        for i in range(0, len(todo), COOL_BATCH):
+        for i in range(0, len(candidates), COOL_BATCH):
             with self._lock:
                 if r is not self._restored or r.table is not t or self.suspended:
                     break  # (a next generation cools its own)
-                for n in todo[i:i + COOL_BATCH]:
-                    eid = cast(Row, rows[n]).eid
+                for n, was in candidates[i:i + COOL_BATCH]:
+                    eid = was.eid
                     e = self._entries.get(eid)
                     if (e is None or e.unverified or e.punched or e.present != 1 or len(e.hashes) != 1
-                            or eid in skip or n in r.unpathed or self._paths.get(e.path) != eid):
+                            or eid in skip or n in hidden or n in r.unpathed or self._paths.get(e.path) != eid):
                         continue
                     got = self.policy.cool((eid, 0))
                     if got is None:
@@ -199,25 +188,41 @@ class Checkpoints:
         log.info("NVMe tier: %d files of the checkpoint left memory for its records", cooled)
         return cooled
 
-    def _write_checkpoint(self, rows: list[Row | None], now: int, kept: int) -> tuple[Table, int] | None:
-        """checkpoint's table of `rows`, the first `kept` in their numbers, and its size
-        (None if it lacks the room, or is not written)."""
-        estimate = table.size_of(rows)
+    def _write_checkpoint(self, old: Table | None, before: list[Entry | None], new: list[Entry],
+                          now: int) -> tuple[Table, int, set[int]] | None:
+        """checkpoint's table: the records of `old` in their numbers (`before`: each one's
+        entry where memory holds it; else its cold record, with its attributes' time since,
+        or its record in `old`; a record of zeros where that fails its CRC), then the
+        entries `new`, written a row at a time. The table, its size and the records its path
+        buckets do not lead to (None if it lacks the room, or is not written)."""
+        count = len(before) + len(new)
+        estimate = table.size_for(count, (old.heap_bytes if old is not None else 0)
+                                  + sum(table.heap_of(e.path, len(e.hashes)) for e in new))
         if self.policy.used + estimate > self.policy.capacity:  # (taken from the blocks' free room)
-            log.info("NVMe tier: no room for a checkpoint of its %d files (%s)", len(rows), format_size(estimate))
+            log.info("NVMe tier: no room for a checkpoint of its %d files (%s)", count, format_size(estimate))
             return None
         table_id = random.getrandbits(63) + 1
         path = self._table_path(table_id)
+        r = self._restored
+        writer: table.Writer | None = None
         try:
-            size = table.write(path, rows, now, table_id, numbered=kept)
+            writer = table.Writer(path, count, now, table_id)
+            for n, e in enumerate(before):
+                writer.add(row_of(e, now) if e is not None else r.row(n) if r is not None and r.cold(n)
+                           else cast(Table, old).row(n))
+            for e in new:
+                writer.add(row_of(e, now))
+            size = writer.finish()
             found = Table(path, table_id)
         except (OSError, ValueError) as exc:
             log.warning("NVMe tier: the checkpoint could not be written (%s); the daemon answers the files "
                         "it holds", exc)
+            if writer is not None:
+                writer.abort()
             with contextlib.suppress(OSError):
                 os.unlink(path)
             return None
-        return found, size
+        return found, size, writer.hidden
 
     def checkpoint_released(self) -> None:
         """Every serving process has mapped the newest checkpoint: the tables before it are

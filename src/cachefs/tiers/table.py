@@ -28,6 +28,7 @@ changes after it. `tests/test_table.py` pins the layout; change it only with a n
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -42,7 +43,7 @@ import xxhash
 from cachefs.config import CLEAN_MARGIN_NS
 from cachefs.identity import FS_ENCODING, FS_ERRORS, STAT_FIELDS, Attr
 from cachefs.tiers.entry import allocated
-from cachefs.tiers.layout import SUBDIR_CHARS, block_hash, replace_durably
+from cachefs.tiers.layout import SUBDIR_CHARS, block_hash, write_all
 
 NAME = "entries.v1"
 MAGIC = b"cachefT1"
@@ -95,23 +96,19 @@ def _put(table: array[int], key: int, value: int) -> None:
     table[i] = value
 
 
-def size_of(rows: list[Row | None]) -> int:
-    """About the bytes write() makes of `rows` (a budget's check before writing them)."""
-    heap = sum(len(row.path) + (9 * len(row.hashes) if len(row.hashes) > 1 else 0) for row in rows if row is not None)
-    return HEADER.size + len(rows) * RECORD.size + 8 * _buckets(len(rows)) + heap
+def size_for(count: int, heap: int) -> int:
+    """The bytes of a table of `count` records whose paths and hashes take `heap` bytes."""
+    return HEADER.size + count * RECORD.size + 8 * _buckets(count) + heap
+
+
+def heap_of(path: str, nblocks: int) -> int:
+    """About the heap bytes of a record's path and (more than one block) hashes."""
+    return len(path) + (9 * nblocks if nblocks > 1 else 0)
 
 
 def _held(row: Row | None) -> TypeGuard[Row]:
     """Whether `row` is an entry with a block held (not a placeholder, nor one being written)."""
     return row is not None and any(h is not None for h in row.hashes)
-
-
-def _numbered(rows: list[Row | None], numbered: int) -> tuple[list[Row | None], dict[bytes, int]]:
-    """write's records: the first `numbered` rows where they are, then those with a block
-    held; and each path's newest record (the restore order is by stored_at)."""
-    rows = rows[:numbered] + [row for row in rows[numbered:] if _held(row)]
-    newest = {row.path.encode(FS_ENCODING, FS_ERRORS): n for n, row in enumerate(rows) if _held(row)}
-    return rows, newest
 
 
 def write(path: str, rows: Iterable[Row | None], stop_ns: int, table_id: int, numbered: int = 0) -> int:
@@ -120,28 +117,70 @@ def write(path: str, rows: Iterable[Row | None], stop_ns: int, table_id: int, nu
     written) are left out, but among the first `numbered`, which keep their numbers (a
     checkpoint's next generation, see DiskTier.checkpoint): there such a row, or None,
     is a record of zeros, which no lookup finds and no read passes."""
-    rows, newest = _numbered(list(rows), numbered)
-    count = len(rows)
-    buckets = _buckets(count)
-    by_id = array("I", bytes(4 * buckets))  # (flat: a list of ints took ~36 bytes a bucket)
-    by_path = array("I", bytes(4 * buckets))
-    heap_at = HEADER.size + count * RECORD.size + 8 * buckets
-    heap = bytearray()
-    records = bytearray(count * RECORD.size)
-    view = memoryview(records)
-    used = blocks = 0
-    for n, row in enumerate(rows):
+    rows = list(rows)
+    rows = rows[:numbered] + [row for row in rows[numbered:] if _held(row)]
+    writer = Writer(path, len(rows), stop_ns, table_id)
+    try:
+        for row in rows:
+            writer.add(row)
+        return writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+
+
+class Writer:
+    """A table written a record at a time (write() is the whole-list form): records and
+    their paths go to a temporary file beside `path` as they come, 1 MiB at a time, the
+    buckets and the header at the end (finish), then fsync and rename. What it holds
+    while it writes is the two bucket arrays and each record's path hash (~30 bytes a
+    record), not the rows: a checkpoint of 1.28 million files had held a Row object per
+    record (~700 bytes each with its hashes' list, and its path and attributes where read
+    from the table before). Exactly `count` rows are added; a row with no block held (or
+    None) is a record of zeros. The newest record of a path is the last added: an earlier
+    one loses its NEWEST flag (and its CRC is made again) when a later one comes."""
+
+    FLUSH = 1 << 20
+
+    def __init__(self, path: str, count: int, stop_ns: int, table_id: int):
+        self.path, self.count, self.stop_ns, self.table_id = path, count, stop_ns, table_id
+        self.buckets = _buckets(count)
+        self.heap_at = HEADER.size + count * RECORD.size + 8 * self.buckets
+        self.by_id = array("I", bytes(4 * self.buckets))  # (flat: a list of ints took ~36 bytes a bucket)
+        self.by_path = array("I", bytes(4 * self.buckets))
+        self.path_hashes = array("Q", bytes(8 * count))
+        self.hidden: set[int] = set()  # records no path bucket leads to: of zeros, or a later one's path
+        self.added = self.used = self.blocks = 0
+        self._records = bytearray()  # records not written yet, from number _records_from
+        self._records_from = 0
+        self._heap = bytearray()  # heap bytes not written yet, from heap offset _heap_from
+        self._heap_from = 0
+        self._tmp = path + ".new"
+        self._fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+
+    def add(self, row: Row | None) -> None:
+        n = self.added
+        if n >= self.count:
+            raise ValueError(f"more than the {self.count} rows the table was sized for")
+        self.added += 1
+        records = self._records
+        at = len(records)
+        records += bytes(RECORD.size)
         if not _held(row):
-            continue  # (a record of zeros: its CRC fails, and no bucket leads to it)
+            self.hidden.add(n)
+            self._flush_if_full()
+            return  # (a record of zeros: its CRC fails, and no bucket leads to it)
         pb = row.path.encode(FS_ENCODING, FS_ERRORS)
-        path_off = heap_at + len(heap)
+        if len(pb) > 0xFFFF:
+            raise ValueError(f"a path of {len(pb)} bytes")
+        heap = self._heap
+        path_off = self.heap_at + self._heap_from + len(heap)
         heap += pb
         held = block_bytes(row)
-        used += sum(size for _, size in held)
-        blocks += len(held)
+        self.used += sum(size for _, size in held)
+        self.blocks += len(held)
         aux = b""
-        hash0 = 0
-        aux_off = 0
+        hash0 = aux_off = 0
         if len(row.hashes) == 1:
             hash0 = row.hashes[0] or 0
         else:
@@ -149,27 +188,104 @@ def write(path: str, rows: Iterable[Row | None], stop_ns: int, table_id: int, nu
             for i, _ in held:
                 bitmap[i >> 3] |= 1 << (i & 7)
             aux = b"".join(_U64.pack(h or 0) for h in row.hashes) + bytes(bitmap)
-            aux_off = heap_at + len(heap)
+            aux_off = self.heap_at + self._heap_from + len(heap)
             heap += aux
-        if len(pb) > 0xFFFF:
-            raise ValueError(f"a path of {len(pb)} bytes")
-        at = n * RECORD.size
         RECORD.pack_into(records, at, row.eid, row.stored_at, row.synced_ns, row.block_size, len(row.hashes),
-                         path_off, len(pb), NEWEST if newest[pb] == n else 0, 0, aux_off, hash0,
-                         *row.attr[:STAT_FIELDS])
-        crc = zlib.crc32(pb, zlib.crc32(view[at:at + RECORD.size]))
-        _U32.pack_into(records, at + _CRC_AT, zlib.crc32(aux, crc) if aux else crc)
-        _put(by_id, int.from_bytes(row.eid[:8], "little"), n + 1)
-    for pb, n in newest.items():
-        _put(by_path, xxhash.xxh3_64_intdigest(pb), n + 1)
-    head = HEADER.pack(MAGIC, count, buckets, stop_ns, used, blocks, table_id, 0)
-    head = head[:-8] + _U32.pack(zlib.crc32(head[:-8])) + bytes(4)
-    if sys.byteorder != "little":
-        by_id.byteswap()
-        by_path.byteswap()
-    parts = (head, records, by_id, by_path, heap)  # written in turn, not joined: no second copy
-    replace_durably(path, parts)
-    return sum(memoryview(part).nbytes for part in parts)
+                         path_off, len(pb), NEWEST, 0, aux_off, hash0, *row.attr[:STAT_FIELDS])
+        _seal(records, at, pb, aux)
+        _put(self.by_id, int.from_bytes(row.eid[:8], "little"), n + 1)
+        self._newest(n, pb)
+        self._flush_if_full()
+
+    def _newest(self, n: int, pb: bytes) -> None:
+        """Record `n` leads the path buckets to `pb`: it takes an earlier record's slot."""
+        key = xxhash.xxh3_64_intdigest(pb)
+        self.path_hashes[n] = key
+        by_path, hashes = self.by_path, self.path_hashes
+        mask = len(by_path) - 1
+        i = key & mask
+        while (v := by_path[i]) and not (hashes[v - 1] == key and self._path_of(v - 1) == pb):
+            i = (i + 1) & mask
+        if v:
+            self._unmark(v - 1)
+        by_path[i] = n + 1
+
+    def _record(self, m: int) -> bytes:
+        if m >= self._records_from:
+            at = (m - self._records_from) * RECORD.size
+            return bytes(self._records[at:at + RECORD.size])
+        return os.pread(self._fd, RECORD.size, HEADER.size + m * RECORD.size)
+
+    def _heap_bytes(self, off: int, length: int) -> bytes:
+        rel = off - self.heap_at
+        if rel >= self._heap_from:
+            return bytes(self._heap[rel - self._heap_from:rel - self._heap_from + length])
+        return os.pread(self._fd, length, off)
+
+    def _path_of(self, m: int) -> bytes:
+        path_off, path_len = _PATH_AT.unpack_from(self._record(m), _PATH_OFF)
+        return self._heap_bytes(path_off, path_len)
+
+    def _unmark(self, m: int) -> None:
+        """Record `m` is no longer its path's newest: its flag cleared, its CRC made again."""
+        rec = bytearray(self._record(m))
+        path_off, path_len = _PATH_AT.unpack_from(rec, _PATH_OFF)
+        nblocks = _U32.unpack_from(rec, 16 + 8 + 8 + 4)[0]
+        aux_off = _U64.unpack_from(rec, _CRC_AT + 4)[0]
+        aux = self._heap_bytes(aux_off, 8 * nblocks + -(-nblocks // 8)) if nblocks > 1 else b""
+        struct.pack_into("<H", rec, _CRC_AT - 2, 0)
+        _U32.pack_into(rec, _CRC_AT, 0)
+        _seal(rec, 0, self._heap_bytes(path_off, path_len), aux)
+        if m >= self._records_from:
+            at = (m - self._records_from) * RECORD.size
+            self._records[at:at + RECORD.size] = rec
+        else:
+            write_all(self._fd, memoryview(rec), HEADER.size + m * RECORD.size)
+        self.hidden.add(m)
+
+    def _flush_if_full(self, force: bool = False) -> None:
+        if len(self._records) >= self.FLUSH or force:
+            write_all(self._fd, memoryview(self._records), HEADER.size + self._records_from * RECORD.size)
+            self._records_from += len(self._records) // RECORD.size
+            self._records = bytearray()
+        if len(self._heap) >= self.FLUSH or force:
+            write_all(self._fd, memoryview(self._heap), self.heap_at + self._heap_from)
+            self._heap_from += len(self._heap)
+            self._heap = bytearray()
+
+    def finish(self) -> int:
+        """The buckets and the header written, fsync'd, renamed over `path`: its size."""
+        if self.added != self.count:
+            raise ValueError(f"{self.added} rows added to a table sized for {self.count}")
+        self._flush_if_full(force=True)
+        head = HEADER.pack(MAGIC, self.count, self.buckets, self.stop_ns, self.used, self.blocks, self.table_id, 0)
+        head = head[:-8] + _U32.pack(zlib.crc32(head[:-8])) + bytes(4)
+        by_id, by_path = self.by_id, self.by_path
+        if sys.byteorder != "little":
+            by_id.byteswap()
+            by_path.byteswap()
+        write_all(self._fd, memoryview(head), 0)
+        write_all(self._fd, memoryview(by_id).cast("B"), HEADER.size + self.count * RECORD.size)
+        write_all(self._fd, memoryview(by_path).cast("B"), HEADER.size + self.count * RECORD.size + 4 * self.buckets)
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._fd = -1
+        os.replace(self._tmp, self.path)
+        return self.heap_at + self._heap_from
+
+    def abort(self) -> None:
+        """Nothing written after all: the temporary file goes."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        with contextlib.suppress(OSError):
+            os.unlink(self._tmp)
+
+
+def _seal(buf: bytearray, at: int, pb: bytes, aux: bytes) -> None:
+    """The CRC of the record at `at` (its CRC field zero), with its path and heap part."""
+    crc = zlib.crc32(pb, zlib.crc32(memoryview(buf)[at:at + RECORD.size]))
+    _U32.pack_into(buf, at + _CRC_AT, zlib.crc32(aux, crc) if aux else crc)
 
 
 class Table:
@@ -200,6 +316,7 @@ class Table:
         self._buckets = buckets
         self._by_id = HEADER.size + count * RECORD.size
         self._by_path = self._by_id + 4 * buckets
+        self.heap_bytes = self.size - self._by_path - 4 * buckets  # (paths and hashes)
 
     def close(self) -> None:
         os.close(self._fd)
