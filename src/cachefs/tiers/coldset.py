@@ -318,6 +318,14 @@ class Restored:
             for block, _ in block_bytes(row):
                 yield row.eid, block
 
+    def cold_order(self) -> tuple[array[int], array[float]]:
+        """The numbers of the records still cold, and each one's `stored at` as row() gives
+        it (a clean stop sorts them by it without reading a row of each first)."""
+        state, checked = self.state, self.checked
+        numbers = array("I", (n for n in range(self.table.count) if state[n] < WARM))
+        when = self.table.stored_ats()
+        return numbers, array("d", (max(checked[n], 0.0) if checked[n] else when[n] for n in numbers))
+
     def rows(self) -> Iterator[tuple[int, Row, bool]]:
         """(record number, row, trusted by the restart check) of every record still cold,
         in restore order."""
