@@ -514,3 +514,25 @@ def test_a_file_fetched_ahead_twice_in_one_report_is_promoted_at_its_second_open
         assert core.cache.settle_promotions(10)
         assert core.cache.in_ram(core.entry_id(fid)) is (times == 2)
         core.close()
+
+
+def test_the_ttl_cache_gives_its_table_back_as_it_empties_and_keeps_what_is_left():
+    """A cold epoch puts each file's attributes and takes them out as the tier stores the
+    file: the map is rebuilt once fewer than an eighth of its peak are left (a dict keeps
+    its table's size as keys go)."""
+    import sys
+
+    from cachefs.ttlcache import TTLCache
+
+    now = [0.0]
+    c = TTLCache(1 << 20, lambda: now[0])
+    for i in range(20_000):
+        c.put(f"/d/{i}", i, 60.0)
+    full = sys.getsizeof(c._data)
+    for i in range(19_000):
+        (c.pop if i % 2 else c.discard)(f"/d/{i}", *(() if i % 2 else (i,)))
+    assert len(c) == 1_000 and sys.getsizeof(c._data) * 8 < full
+    assert all(c.get(f"/d/{i}") == i for i in range(19_000, 20_000)) and c.get("/d/5") is None
+    c.discard("/d/19999", 5)                                   # not the value it holds: kept
+    now[0] = 61.0
+    assert c.get("/d/19999") is None and c.get_stale("/d/19999") == 19_999
