@@ -657,6 +657,9 @@ def test_a_clean_stop_writes_its_table_in_restore_order_without_a_row_per_record
         assert t2.put((eid(n), 0), b"y" * 100, info(f"/e/file-{n:05d}.jpg", 100))
     for n in range(0, files, 1000):                                 # brought in (warm)
         assert t2.get((eid(n), 0)) == bytes([n % 251]) * 100
+    confirmed = t2.table_find(path="/d5/file-00005.jpg")           # a cold record checked since:
+    assert confirmed is not None and t2._restored.cold(confirmed)
+    t2._restored.stamp(confirmed, time.time() + 100)              # restored by its checked time
     tracemalloc.start()
     try:
         t2.close()
@@ -670,6 +673,7 @@ def test_a_clean_stop_writes_its_table_in_restore_order_without_a_row_per_record
     written = Table(os.path.join(t2.directory, name))
     when = written.stored_ats()
     assert written.count == files + 500 and list(when) == sorted(when)
+    assert written.find_path("/d5/file-00005.jpg") == written.count - 1   # the newest: last
     written.close()
     t3 = disk(capacity=256 << 20)
     assert all(t3.get((eid(n), 0)) == bytes([n % 251]) * 100 for n in range(0, files, 7))
