@@ -108,7 +108,7 @@ class Checkpoints:
             # then the entries cached since with a block held, oldest first: entries, not
             # rows, until each row is written (a Row per record at once was ~700 bytes each)
             before = [held.pop(old.eid_of(n), None) for n in range(old.count)] if old is not None else []
-            new = [e for e in held.values() if e.eid not in skip and e.present and any(h is not None for h in e.hashes)]
+            new = [e for e in held.values() if e.eid not in skip and e.present and e.held]
             del held
             new.sort(key=lambda e: e.stored_at)
             kept = len(before)

@@ -39,6 +39,11 @@ class Entry:
         return self.attr.size
 
     @property
+    def held(self) -> bool:
+        """Whether a block of it has its hash (a table records it; see table._held)."""
+        return any(h is not None for h in self.hashes)
+
+    @property
     def complete(self) -> bool:
         return self.present == len(self.hashes)
 

@@ -123,7 +123,7 @@ class FromTable:
             # in restore order (`stored at`), the entries in memory first where equal, then
             # the cold records; a row made only as it is written: rows made first, at 1.28
             # million files, had been ~1 KB of objects each at once
-            entries = [e for e in self._entries.values() if any(h is not None for h in e.hashes)]
+            entries = [e for e in self._entries.values() if e.held]
             r = self._restored
             cold, when = r.cold_order() if r is not None else (array("I"), array("d"))
             when = array("d", (e.stored_at for e in entries)) + when

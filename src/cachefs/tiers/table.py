@@ -230,12 +230,11 @@ class Writer:
     def _unmark(self, m: int) -> None:
         """Record `m` is no longer its path's newest: its flag cleared, its CRC made again."""
         rec = bytearray(self._record(m))
-        path_off, path_len = _PATH_AT.unpack_from(rec, _PATH_OFF)
-        nblocks = _U32.unpack_from(rec, 16 + 8 + 8 + 4)[0]
-        aux_off = _U64.unpack_from(rec, _CRC_AT + 4)[0]
+        fields = list(RECORD.unpack(rec))  # (see RECORD: nblocks, path_off, path_len, flags, crc, aux_off)
+        nblocks, path_off, path_len, aux_off = fields[4], fields[5], fields[6], fields[9]
+        fields[7] = fields[8] = 0
+        RECORD.pack_into(rec, 0, *fields)
         aux = self._heap_bytes(aux_off, 8 * nblocks + -(-nblocks // 8)) if nblocks > 1 else b""
-        struct.pack_into("<H", rec, _CRC_AT - 2, 0)
-        _U32.pack_into(rec, _CRC_AT, 0)
         _seal(rec, 0, self._heap_bytes(path_off, path_len), aux)
         if m >= self._records_from:
             at = (m - self._records_from) * RECORD.size
