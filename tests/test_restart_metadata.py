@@ -5,31 +5,45 @@ listing was kept on the cache disk within the TTL: test_listings_core.py)."""
 
 import errno
 import shutil
+import threading
 import time
 
 import pytest
 
 from cachefs.memsource import MemorySource
+from cachefs.prefetch import Prefetcher
 from cachefs.stats import Stats
 from cachefs.tiers.disk import DiskTier
-from tests.helpers import make_core
+from tests.helpers import make_core, run_until_idle
+from tests.test_tiers import no_margin  # noqa: F401  (a fixture)
 
 BS = 64 << 10
 
 
-def _restarted(tmp_path, source: MemorySource, files: dict[str, bytes], **kw):
+def _restarted(tmp_path, source: MemorySource, files: dict[str, bytes], checked: bool = False, **kw):
     for name, data in files.items():
         source.add_file(name, data)
     first = DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False)
     core = make_core(source, disk=first, block_size=BS)
     for name, data in files.items():
         assert core.read(name, 0, len(data)) == data
+    if checked:
+        time.sleep(0.05)  # older than the clean stop by its margin (the no_margin fixture's)
     core.close()
     # Without the listings the first run kept (within the TTL they are trusted and nothing is
     # checked: see test_listings_core.py): as after a TTL, or a cache from before them.
     shutil.rmtree(tmp_path / "listings")
-    disk = DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False)
-    return make_core(source, disk=disk, block_size=BS, **kw)
+    if not checked:
+        return make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False), block_size=BS, **kw)
+    # `checked`: the restart check's pass run (no scrub after it), every file trusted at one stat
+    stats = Stats()
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, stats, scrub_every=0), block_size=BS,
+                     stats=stats, **kw)
+    deadline = time.monotonic() + 10
+    while stats.get("disk.trusted_files") < len(files):
+        assert time.monotonic() < deadline, "the restart check never trusted the files"
+        time.sleep(0.01)
+    return core
 
 
 def _checked(core, directory: str) -> None:
@@ -316,4 +330,135 @@ def test_where_the_serving_processes_answer_the_check_counts_every_name_kept(tmp
     _checked(core, "/d")
     assert sorted(changed) == ["/d/f3", "/d/f4"]
     assert core.getattr("/d/f3").size == len(b"rewritten")
+    core.close()
+
+
+@pytest.mark.usefixtures("no_margin")
+def test_after_a_restart_directory_read_ahead_passes_by_the_files_held_and_fills_the_rest(tmp_path):
+    """A restarted job's read in a directory takes the directory on for read-ahead: the
+    files the NVMe tier holds whole, with attributes a lookup would be answered with, are
+    passed by with a probe of the index each (no fetch task: no attributes, identity or
+    claim made for them); the files not cached, and one the directory's check found
+    changed, are fetched as before."""
+    source = MemorySource()
+    p = Prefetcher(workers=0)
+    core = _restarted(tmp_path, source, FILES, checked=True, prefetcher=p, readahead="dir")
+    new = {f"/d/new{i}": bytes([100 + i]) * 3000 for i in range(3)}
+    for name, data in new.items():
+        source.add_file(name, data)
+    source.add_file("/d/f7", b"rewritten")  # held, but not the source's version any more
+    fetched: list[str] = []
+    fetch = core.dir_readahead._fetch
+    core.dir_readahead._fetch = lambda path: fetched.append(path) or fetch(path)  # type: ignore[method-assign]
+    assert core.read("/d/f0", 0, 10) == FILES["/d/f0"][:10]
+    run_until_idle(p)
+    assert sorted(fetched) == sorted([*new, "/d/f7"])
+    assert core.stats.get("prefetch.dir_cached") == len(FILES) - 2  # all but f7 and f0 (the job's)
+    assert core.stats.get("prefetch.dirs") == 1
+    before = source.calls["read_range"]
+    for name, data in {**FILES, "/d/f7": b"rewritten", **new}.items():  # all from the cache now
+        assert core.read(name, 0, len(data)) == data
+    assert source.calls["read_range"] == before
+    core.close()
+
+
+def _first_mount_stored(tmp_path, **kw):
+    source = MemorySource()
+    for name, data in FILES.items():
+        source.add_file(name, data)
+    p = Prefetcher(workers=0)
+    core = make_core(source, disk=DiskTier(str(tmp_path), 10 << 20, Stats(), scrub=False), block_size=BS,
+                     prefetcher=p, readahead="dir", **kw)
+    stored = sorted(FILES)[:12]
+    for name in stored:  # cached without the job's reads (which would take the directory on)
+        assert core.fills.fill(name)[0] == "fetched"  # type: ignore[index]
+    fetched: list[str] = []
+    fetch = core.dir_readahead._fetch
+    core.dir_readahead._fetch = lambda path: fetched.append(path) or fetch(path)  # type: ignore[method-assign]
+    return core, p, stored, fetched
+
+
+def test_in_a_first_mount_directory_read_ahead_passes_by_the_files_stored_in_it(tmp_path):
+    """The same for entries in memory (stored in this mount, whole): passed by, not fetched."""
+    core, p, stored, fetched = _first_mount_stored(tmp_path)
+    last = sorted(FILES)[-1]
+    assert core.read(last, 0, 10) == FILES[last][:10]
+    run_until_idle(p)
+    assert sorted(fetched) == sorted(set(FILES) - set(stored) - {last})
+    assert core.stats.get("prefetch.dir_cached") == len(stored)
+    core.close()
+
+
+@pytest.mark.usefixtures("no_margin")
+def test_the_tier_says_when_a_whole_file_s_attributes_were_last_known_good(tmp_path):
+    """What directory read-ahead compares: the time the NVMe tier's whole copy of a path was
+    last known good (a restored record's, an entry's in memory; never for a copy in part or
+    one still to check since the start, none for a path not cached), against the time since
+    which the index answers a lookup in its directory (--metadata-ttl, the directory's check)."""
+    start = time.time()
+    source = MemorySource()
+    core = _restarted(tmp_path / "restarted", source, FILES, checked=True, metadata_ttl=600.0)
+    at = core.cache.held_at("/d/f1")
+    assert at is not None and start - 1 <= at <= time.time()
+    assert core.metadata.index_good_since("/d") == pytest.approx(time.time() - 600.0, abs=1)
+    assert core.cache.held_at("/d/none") is None
+    core.metadata.invalidate("/d/f1")  # not known good any more
+    assert core.cache.held_at("/d/f1") == 0.0
+    checking = time.time()
+    core.getattr("/d/f2")  # the directory's check follows
+    _checked(core, "/d")
+    assert core.metadata.index_good_since("/d") >= checking
+    core.close()
+    core = _restarted(tmp_path / "unchecked", MemorySource(), FILES)  # no restart check
+    assert core.cache.held_at("/d/f1") is None  # to check first: not passed by
+    core.close()
+    core, _, stored, _ = _first_mount_stored(tmp_path / "first", metadata_ttl=0.5)
+    assert core.cache.held_at(stored[0]) == pytest.approx(time.time(), abs=5)
+    assert core.metadata.index_good_since("/d") == pytest.approx(time.time() - 0.5, abs=0.2)
+    big = blob_of(3 * BS)
+    core.metadata.source.add_file("/d/big", big)
+    assert core.read("/d/big", 0, 10) == big[:10]  # its first block only
+    assert core.cache.held_at("/d/big") is None
+    core.close()
+
+
+def blob_of(n: int) -> bytes:
+    return bytes(i % 251 for i in range(n))
+
+
+def test_a_lookup_that_meets_its_directory_s_check_comparing_waits_for_it_not_the_source(tmp_path):
+    """A lookup that read the index's entry before the directory's check set its time, and
+    meets the check still comparing, waits for the check (which confirms the file), then
+    answers from the index: no stat of the file on the source (it had cost one, a flaky
+    count in the test above under load)."""
+    source = MemorySource()
+    core = _restarted(tmp_path, source, FILES)
+    statted: list[str] = []
+    stat = source.stat
+    source.stat = lambda path: statted.append(path) or stat(path)  # type: ignore[method-assign]
+    compared, release, reading = threading.Event(), threading.Event(), threading.Event()
+    compare = core.metadata._compare
+    core.metadata._compare = lambda *a: (compared.set(), release.wait(10), compare(*a))  # type: ignore[method-assign]
+    indexed = core.cache.indexed_attr
+
+    def indexed_then_checked(path):
+        known = indexed(path)
+        if path == "/d/f1" and threading.current_thread().name == "reader":
+            reading.set()
+            assert compared.wait(10)  # the check set its time meanwhile, and compares
+        return known
+
+    core.cache.indexed_attr = indexed_then_checked  # type: ignore[method-assign]
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(core.getattr("/d/f1")), name="reader")
+    reader.start()
+    assert reading.wait(10)
+    core.metadata._check_soon("/d")
+    assert compared.wait(10)
+    time.sleep(0.2)
+    assert not got  # waiting for the check
+    release.set()
+    reader.join(10)
+    assert got and got[0].size == len(FILES["/d/f1"])
+    assert "/d/f1" not in statted
     core.close()

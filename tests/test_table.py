@@ -58,6 +58,8 @@ def test_rows_round_trip_and_are_found_by_id_and_by_path(tmp_path):
     assert t.find_path("/caf\udce9") == 1 and t.find(eid(9)) is None and t.find_path("/nope") is None
     assert t.path_row("/d/f\n1") == (4, rows[4]._replace(newest=True)) and t.path_row("/nope") is None
     assert t.path_row("/big") == (3, rows[3]._replace(newest=True))
+    assert t.path_brief("/d/f\n1") == (4, 99.0, 1) and t.path_brief("/big") == (3, rows[3].stored_at, 6)
+    assert t.path_brief("/nope") is None
 
 
 def test_a_damaged_record_is_not_there_and_a_damaged_header_is_no_table(tmp_path):

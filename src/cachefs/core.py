@@ -114,7 +114,8 @@ class Core:
         if self.readahead == "dir" and prefetcher is not None:
             self.dir_readahead = DirReadahead(self.metadata.readdir, self.fills, self.prefetch_file,
                                               lambda: self.fills_to_disk, cache, stats, prefetcher, block_size,
-                                              max_file_blocks=max_file_blocks)
+                                              max_file_blocks=max_file_blocks,
+                                              good_since=self.metadata.index_good_since)
             prefetcher.add_feeder(DIR, self.dir_readahead)
         observers: list[ReadObserver] = []
         self.blocks = BlockPath(parts, self.hooks, prefetcher, self.readahead != "off", readahead_max, whole_file_max,
@@ -130,8 +131,6 @@ class Core:
         self.known_listing = meta.known_listing
         self.rows_serving = meta.rows_serving
         self.listing_attrs_wanted = meta.listing_attrs_wanted
-        self.readlink = meta.readlink
-        self.statfs = meta.statfs
         self.getxattr = meta.getxattr
         self.listxattr = meta.listxattr
         self.invalidate = meta.invalidate
@@ -149,6 +148,12 @@ class Core:
         self.hints = hints(self) if hints is not None else None
         if self.hints is not None:
             observers.append(self.hints)
+
+    def readlink(self, path: str) -> str:
+        return self.guard.call("readlink", self.metadata.source.readlink, path)
+
+    def statfs(self) -> dict:
+        return self.guard.call("statfs", self.metadata.source.statfs)
 
     def prefetch_file(self, path: str, max_blocks: int | None = None) -> tuple[str, int]:
         return self.blocks.prefetch_file(path, max_blocks)

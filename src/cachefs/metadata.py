@@ -350,7 +350,7 @@ class Metadata:
             return None  # too old
         directory, _, name = path.rpartition("/")
         directory = directory or "/"
-        first = False
+        first, checking = False, None
         if not self._index_checks:  # every entry was stored in this mount, from the source (see _learned)
             self.stats.incr("metadata.index_hits")
             return self._acl_kept(path, attr, left), left
@@ -364,12 +364,17 @@ class Metadata:
                 if directory not in self._rows_dirs:  # (there every name kept counts: _check_dir)
                     names.add(name)  # type: ignore[union-attr]
             elif stored_at < checked:
-                # Not confirmed by the check (changed or gone since), nor cached since: the
-                # source is asked. Confirmed or cached since, it is as good as the check's
-                # own attributes, which the attributes cache may have let go (at 1.28
-                # million files, more than it holds, each of those lookups was a stat on
-                # the source).
-                return None
+                # Not confirmed by the check (changed or gone since), nor cached since: the source
+                # is asked. Confirmed or cached since, it is as good as the check's own attributes
+                # (which the attributes cache may have let go: at 1.28 million files, each had cost
+                # a stat). A check still comparing (it confirms after setting its time) is waited for.
+                checking = self._checking.get(directory)
+                if checking is None:
+                    return None
+        if checking is not None:
+            with self._hooks.blocking():
+                done = checking.wait(CHECK_WAIT)
+            return self._index_answer(path) if done else None
         self.stats.incr("metadata.index_hits")
         if first:
             self._check_soon(directory)
@@ -381,6 +386,11 @@ class Metadata:
         attr = self._with_acl(path, attr)
         self._attrs.put(path, attr, left)
         return attr
+
+    def index_good_since(self, directory: str) -> float:  # index answers there: stored since (_index_answer)
+        with self._check_lock:
+            checked = self._checked_dirs.get(directory, 0.0) if self._index_checks else 0.0
+        return max(time.time() - self.metadata_ttl, checked)
 
     def rows_serving(self, directory: str) -> None:
         """The serving processes answer lookups in `directory` from the NVMe tier's entry
@@ -489,16 +499,9 @@ class Metadata:
         known = self._cache.indexed_attr(path) if self._index_answers else None
         return None if known is None else known[0]
 
-    def readlink(self, path: str) -> str:
-        return self._guard.call("readlink", self.source.readlink, path)
-
-    def statfs(self) -> dict:
-        return self._guard.call("statfs", self.source.statfs)
-
     def _xattrs_of(self, path: str) -> dict[str, bytes | None]:
-        """The extended attributes of `path`: name -> value (None until asked for), the
-        names from one listxattr. Kept with the metadata for --metadata-ttl: `ls -l` asks
-        for two attributes of every file it lists, and most files have none."""
+        """The extended attributes of `path`: name -> value (None until asked for), from one listxattr.
+        Kept for --metadata-ttl: `ls -l` asks for two attributes of every file, and most have none."""
         known = self._xattr_cache.get(path)
         if isinstance(known, dict):
             self.stats.incr("metadata.hits")
@@ -541,9 +544,8 @@ class Metadata:
         return attr._replace(mode=acl.restrict(attr.mode, raw, attr.gid))
 
     def invalidate(self, path: str) -> None:
-        """Forget cached metadata of `path` (its blocks are keyed by identity and simply stop
-        matching), and have the index answer no lookup of it with a cached version's
-        attributes: the next lookup asks the source."""
+        """Forget cached metadata of `path` (its blocks, keyed by identity, stop matching), and have
+        the index answer no lookup of it with a cached version's attributes: the next asks the source."""
         if self._index_answers:
             self._cache.outdated(path)
         self._attrs.pop(path)
@@ -553,8 +555,7 @@ class Metadata:
             self._listings.drop(path)
 
     def entry_info(self, fid: FileId) -> EntryInfo:
-        """What a tier records with a cached file version: its path and attributes (kept so
-        that a remounted cache answers lookups without asking the source)."""
+        """What a tier records with a file version: path and attributes (a remount's lookups' answers)."""
         attr = self._attrs.get_stale(fid.path)
         if not isinstance(attr, Attr) or not fid.matches(attr):
             attr = Attr(stat_mod.S_IFREG | 0o444, 1, os.getuid(), os.getgid(), fid.size, fid.mtime_ns,
@@ -569,12 +570,11 @@ class Metadata:
             raise OSError(errno.EINVAL, "not a regular file", path)
         return FileId.of(path, attr)
 
-    def cached(self, path: str) -> object | None:
-        """What the metadata cache holds for `path` (Attr, an errno, or None), unexpired."""
+    def cached(self, path: str) -> object | None:  # what it holds for `path` (Attr, errno or None), unexpired
         return self._attrs.get(path)
 
-    def remember(self, path: str, attr: Attr) -> None:
-        self._learned(path, attr)  # attributes learnt on the way (a fetch process's visit)
+    def remember(self, path: str, attr: Attr) -> None:  # attributes learnt on the way (a fetch process's visit)
+        self._learned(path, attr)
 
     def stored(self, path: str, attr: Attr) -> None:
         """A fill just cached `path` on the NVMe tier with `attr`: from now its lookups are
@@ -589,8 +589,7 @@ class Metadata:
         attr = self._attrs.get_stale(path)
         return attr if isinstance(attr, Attr) else self._index_stale(path) if attr is None else None
 
-    def stop_checking(self) -> None:
-        """Stop the restart check's thread (first, at shutdown)."""
+    def stop_checking(self) -> None:  # the restart check's thread (first, at shutdown)
         self._to_check.put("")
 
     def close(self) -> None:

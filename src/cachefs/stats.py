@@ -55,7 +55,7 @@ COUNTERS: tuple[str, ...] = (
     "fuse.errors", "fuse.reply_failures", "fuse.busy_refusals", "fuse.descriptor_trims",
     *(f"fuse.{op}" for op in FUSE_OPS), *(f"fuse.{op}_us" for op in FUSE_OPS),
     "prefetch.blocks", "prefetch.bytes", "prefetch.used", "prefetch.wasted", "prefetch.no_room",
-    "prefetch.dropped", "prefetch.errors", "prefetch.dirs",
+    "prefetch.dropped", "prefetch.errors", "prefetch.dirs", "prefetch.dir_cached",
     "warm.files_loaded", "warm.bytes_loaded",
     "reads.requests", "reads.bytes", "reads.inflight_waits",
     "opens.passthrough", "opens.daemon", "opens.fallback", "opens.filled", "opens.fill_busy", "serve.answered",

@@ -420,6 +420,10 @@ class MultiLevelCache:
         """(attributes, wall time last known good) of the newest cached version of `path`."""
         return self.disk.attr_of(path) if self.disk is not None else None
 
+    def held_at(self, path: str) -> float | None:
+        """When the NVMe tier's whole copy of `path`'s newest version was last known good."""
+        return self.disk.held_at(path) if self.disk is not None else None
+
     def table_file(self, n: int) -> TableFile | None:
         """Record n of that entry table (a table node's file), if it passes its CRC."""
         row = self.disk.table_row(n) if self.disk is not None else None

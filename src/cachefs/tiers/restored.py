@@ -236,6 +236,29 @@ class FromTable:
             r.found(found[0], n, found[2])
         return found[:2]
 
+    def held_at(self, path: str) -> float | None:
+        """The wall time the attributes of `path`'s newest cached version were last known
+        good, if the tier holds that version whole and checked since the start (None if
+        not): directory read-ahead's question for each sibling, answered with no object per
+        file (a record's path compared, not its CRC: a damaged one is fetched at its open).
+        One still to check is not (read-ahead's fill checks it ahead of the job's open)."""
+        eid = self._paths.get(path)
+        if eid is not None:
+            e = self._entries.get(eid)
+            return e.stored_at if e is not None and e.complete and not e.unverified else None
+        r = self._restored
+        try:
+            found = r.table.path_brief(path) if r is not None and r.files else None
+        except OSError:
+            return None
+        if r is None or found is None:
+            return None
+        n, stored_at, nblocks = found
+        if nblocks != 1 or r.state[n] != TRUSTED or n in r.unpathed:
+            return None  # (brought into memory: its entry, above, unless dropped since)
+        checked = r.checked[n]
+        return max(checked, 0.0) if checked else stored_at
+
     def table_find(self, path: str | None = None, eid: bytes | None = None) -> int | None:
         """The record of that table holding `path`'s newest version, or entry `eid`."""
         t = self._nodes_table()

@@ -399,6 +399,15 @@ class Table:
         found = self._find_path(path)
         return None if found is None else found[0]
 
+    def path_brief(self, path: str) -> tuple[int, float, int] | None:
+        """(record number, `stored at`, number of blocks) of the newest entry of `path`, or
+        None: its path compared, not its CRC (for a guess; a record's own read checks it)."""
+        found = self._find_path(path)
+        if found is None:
+            return None
+        _, stored_at, _, _, nblocks = struct.unpack_from("<16sdqII", found[1])
+        return found[0], stored_at, nblocks
+
     def path_row(self, path: str) -> tuple[int, Row] | None:
         """(record number, row) of the newest entry of `path`, or None (none, or its record
         fails its CRC): the record read once (a lookup's answer after a restart)."""
