@@ -21,7 +21,7 @@ from unittest import mock
 
 import pytest
 
-from cachefs.config import CHECKPOINT_MIN_FILES
+from cachefs.config import CHECKPOINT_GROWING, CHECKPOINT_MIN_FILES
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import (
     MAIN_CHECK,
@@ -1113,15 +1113,18 @@ def test_a_checkpoint_waits_for_an_epoch_that_reads_what_is_cached():
     assert not checkpoint_due(limit, held, grown=0, opened=0, tabled=80_000, since=20_000)
 
 
-def test_a_growing_tier_past_the_memory_threshold_is_checkpointed_at_each_doubling():
+def test_a_growing_tier_past_the_memory_threshold_is_checkpointed_at_each_quarter_more():
     """While a cold epoch still fetches, a tier past CHECKPOINT_MIN_FILES is checkpointed
-    for the daemon's memory, then again each time the files stored since outnumber the
-    table's: at the epoch's end the daemon holds at most the last half in memory."""
+    for the daemon's memory, then again each time the files stored since are more than a
+    CHECKPOINT_GROWING-th of the table's: at the epoch's end the daemon holds at most the
+    last fifth in memory."""
     first, limit = CHECKPOINT_MIN_FILES, 16_384
+    assert CHECKPOINT_GROWING == 4
     assert not checkpoint_due(limit, first, grown=5_000, opened=500)            # not past it yet
     assert checkpoint_due(limit, first + 1, grown=5_000, opened=500)
     assert checkpoint_due(1 << 20, first + 1, grown=5_000, opened=500)          # below the backing limit too
     assert not checkpoint_due(limit, first + 1, grown=5_000, opened=0)          # read-ahead alone: no epoch
     assert not checkpoint_due(limit, 10 * first, grown=10 * first + 1, opened=500)  # the first look
-    assert not checkpoint_due(limit, 2 * first, grown=5_000, opened=500, tabled=first + 1, since=first)
-    assert checkpoint_due(limit, 2 * first + 2, grown=5_000, opened=500, tabled=first + 1, since=first + 2)
+    tabled = 100_000
+    assert not checkpoint_due(limit, tabled + 25_000, grown=5_000, opened=500, tabled=tabled, since=25_000)
+    assert checkpoint_due(limit, tabled + 25_001, grown=5_000, opened=500, tabled=tabled, since=25_001)

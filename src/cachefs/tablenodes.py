@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from cachefs.config import (
     CHECKPOINT_EVERY,
+    CHECKPOINT_GROWING,
     CHECKPOINT_MIN_FILES,
     CHECKPOINT_NEXT,
     CHECKPOINT_QUIET,
@@ -58,14 +59,15 @@ def checkpoint_due(limit: int, held: int, grown: int, opened: int, tabled: int =
 
     A cold epoch still fetching has its files checkpointed too, for the daemon's memory,
     once the tier holds more than `growing_from` (CHECKPOINT_MIN_FILES) and then each time
-    the files stored since the last are more than the table's: what the daemon holds at
-    the epoch's end (its high-water mark) is the files stored since the last generation,
-    at most half of them, and the tables written add up to less than twice the last."""
+    the files stored since the last are more than a CHECKPOINT_GROWING-th of the table's:
+    what the daemon holds at the epoch's end (its high-water mark) is the files stored
+    since the last generation, at most a fifth of them, and the tables written add up to
+    less than five times the last."""
     quiet = 0 <= grown <= held // CHECKPOINT_QUIET and opened > 0
     if held > limit and quiet and (not tabled or since > tabled // CHECKPOINT_NEXT):
         return True
     growing = 0 < grown <= held and opened > 0  # (the first look sees everything as grown)
-    return growing and held > growing_from and (not tabled or since > tabled)
+    return growing and held > growing_from and (not tabled or since > tabled // CHECKPOINT_GROWING)
 
 
 class TableNodeOwner:
