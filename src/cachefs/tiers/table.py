@@ -56,6 +56,8 @@ _U64 = struct.Struct("<Q")
 _CRC_AT = 16 + 8 + 8 + 4 + 4 + 8 + 2 + 2  # the crc field's offset in a record
 _PATH_OFF = 16 + 8 + 8 + 4 + 4  # path_off, path_len's offset in a record
 _PATH_AT = struct.Struct("<QH")
+_HEAD = struct.Struct("<16sdqIIQH")  # RECORD's first fields: eid, stored_at, synced_ns, block_size, nblocks, path
+assert RECORD.format.startswith(_HEAD.format)
 _STORED_AT = struct.Struct(f"<16xd{RECORD.size - 24}x")  # a record's `stored at`
 
 
@@ -405,7 +407,7 @@ class Table:
         found = self._find_path(path)
         if found is None:
             return None
-        _, stored_at, _, _, nblocks = struct.unpack_from("<16sdqII", found[1])
+        _, stored_at, _, _, nblocks, _, _ = _HEAD.unpack_from(found[1])
         return found[0], stored_at, nblocks
 
     def path_row(self, path: str) -> tuple[int, Row] | None:
@@ -424,7 +426,7 @@ class Table:
             rec = self._read(HEADER.size + n * RECORD.size, RECORD.size)
             if len(rec) < _CRC_AT:
                 continue
-            _, _, _, _, _, path_off, path_len = struct.unpack_from("<16sdqIIQH", rec)
+            _, _, _, _, _, path_off, path_len = _HEAD.unpack_from(rec)
             if path_len == len(pb) and self._read(path_off, path_len) == pb:
                 return n, rec, pb
         return None
