@@ -14,6 +14,7 @@ import pytest
 from cachefs.identity import Attr, EntryInfo
 from cachefs.stats import Stats
 from cachefs.tiers import index, table
+from cachefs.tiers.coldset import COLD, TRUSTED
 from cachefs.tiers.table import Row, Table
 
 from .test_tiers import check, eid, info, kill, no_margin, put  # noqa: F401  (no_margin: a fixture)
@@ -220,6 +221,52 @@ def test_a_hard_cut_takes_the_records_not_read_first_then_those_read_by_their_la
         victims = t2.policy.shrink(9 * 4096)
     assert [key[0] for key in victims] == [eid(n) for n in (0, 4, 5, 6, 7, 8, 9, 3, 1)]
     assert t2.policy.keys() == [(eid(2), 0)]
+
+
+@pytest.mark.usefixtures("no_margin")
+def test_records_a_serving_process_vouched_for_are_trusted_and_the_check_waits_while_they_come(disk):
+    """A serving process tests a file when it registers a backing id for it (as the restart
+    check does, at an fstat): its records are trusted without the check's stat, and the
+    check waits while such registrations come, for the files the job is opening."""
+    t = disk()
+    for n in range(6):
+        put(t, n, bytes([n]) * 3000)
+    time.sleep(0.05)
+    t.close()
+    stats = Stats()
+    t2 = disk(stats=stats, scrub=True)
+    r = t2._restored
+    number = {n: r.table.find(eid(n)) for n in range(6)}
+    t2.vouch_rows([number[1], number[2], number[1]])
+    assert [r.state[number[n]] for n in range(6)] == [COLD, TRUSTED, TRUSTED, COLD, COLD, COLD]
+    assert stats.get("disk.trusted_files") == 2 and t2._entries == {}
+    assert not t2.needs_check(eid(2)) and stats.get("disk.trusted_files") == 2
+    # registrations keep coming for 2.5 s: the check (a second after the start) waits
+    until = time.monotonic() + 2.5
+    while time.monotonic() < until:
+        t2.vouch_rows([number[2]])
+        time.sleep(0.05)
+    assert r.state[number[0]] == COLD and stats.get("disk.trusted_files") == 2
+    deadline = time.monotonic() + 10                          # then quiet: it checks the rest
+    while stats.get("disk.trusted_files") < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert stats.get("disk.trusted_files") == 6 and all(r.state[number[n]] == TRUSTED for n in range(6))
+    assert t2.get((eid(0), 0)) == bytes([0]) * 3000 and t2.get((eid(1), 0)) == bytes([1]) * 3000
+    check(t2)
+
+
+def test_the_restart_check_reads_records_in_bulk(disk):
+    t = disk()
+    for n in range(9):
+        put(t, n, bytes([n]) * (100 + n))
+    t.close()
+    found = Table(t._table_path(t._table_id))
+    assert [(n, e, s, size) for n, e, s, size in found.synced()] == [
+        (n, row.eid, row.synced_ns, row.attr.size) for n in range(found.count) if (row := found.row(n)) is not None]
+    assert found.count == 9 and {size for *_, size in found.synced()} == {100 + n for n in range(9)}
+    assert all(s > 0 for _, _, s, _ in found.synced())       # written back at the clean stop
+    found.close()
 
 
 @pytest.mark.usefixtures("no_margin")

@@ -486,10 +486,17 @@ def test_files_no_index_line_describes_are_deleted_at_start(disk, clean):
     os.makedirs(os.path.dirname(orphan), exist_ok=True)
     open(orphan, "wb").write(b"written, never recorded")
     os.utime(orphan, (time.time() - 60, time.time() - 60))
+    recent = t.file_of(eid(78).hex())                         # written since the start: a fetch's, unadopted
+    stranger = os.path.join(t.directory, "data", "zz", eid(79).hex())  # not a subdirectory of ours
+    os.makedirs(os.path.dirname(stranger), exist_ok=True)
+    open(stranger, "wb").write(b"someone else's")
     t2 = disk()
+    os.makedirs(os.path.dirname(recent), exist_ok=True)
+    open(recent, "wb").write(b"being written")
     if clean:  # a start from the table lists nothing: the background sweep finds it
         assert os.path.exists(orphan) and t2._sweep_orphans() == 1
     assert not os.path.exists(orphan) and t2.get((eid(1), 0)) == b"x" * 5000
+    assert os.path.exists(recent) and os.path.exists(stranger)
 
 
 def test_an_entry_whose_file_is_gone_is_dropped_at_start(disk):

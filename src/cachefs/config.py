@@ -347,6 +347,14 @@ SCRUB_RATE = 64 << 20   # bytes a second the restart check reads, for blocks it 
 # files a second, and a file changed within CLEAN_MARGIN_NS before the stop is read anyway.
 TRUST_RATE = 20_000
 CLEAN_MARGIN_NS = 2_000_000_000
+# A serving process tests a file the same way when it registers a backing id for it (its
+# open's, at an fstat): while such registrations come, the restart check waits (this many
+# seconds without one), so as not to stat files the job is about to open and test anyway.
+VOUCH_QUIET = 1.0
+# After a start from the entry table, one pass deletes the files no entry describes (an
+# orphan costs disk space only): at most this many files a second (~1.5 us each: ~1.5% of
+# a core), so that it does not land on an epoch.
+SWEEP_RATE = 10_000
 # The periodic pass over the whole tier for bit rot (--scrub-interval): at most this many
 # bytes and blocks a second. Small files cost the scrub per block, not per byte: going
 # round a 200,000-file tier at 4 MiB/s forever kept an idle mount at 17-25% of a core.

@@ -43,7 +43,7 @@ COUNTERS: tuple[str, ...] = (
     "ram.writes", "ram.written_bytes", "ram.checksum_failures", "ram.errors",
     "disk.hits", "disk.misses", "disk.served_bytes", "disk.evictions", "disk.writes", "disk.written_bytes",
     "disk.refused", "disk.no_room", "disk.checksum_failures", "disk.errors", "disk.scrubbed_bytes", "disk.scrub_passes",
-    "disk.trusted_files", "disk.cooled_files",
+    "disk.trusted_files", "disk.vouched_files", "disk.cooled_files",
     "disk.suspensions", "disk.suspended_writes",
     "source.served_bytes", "source.bytes", "source.errors", "source.changed", "source.timeouts", "source.late_fills",
     "source.down_events", "source.fast_failures", "source.partial_reads", "source.background_waits",

@@ -437,6 +437,7 @@ class TableNodeOwner:
         assert table is not None and self._backings is not None
         self.core.stats.incr("serve.table_registrations", len(registered))
         order, base = self._row_order, table.row_base
+        self.core.cache.table_rows_vouched([nodeid - base for nodeid in registered])
         with self._rows_cv:
             order.extend(registered)
             self._rows_registered += len(registered)

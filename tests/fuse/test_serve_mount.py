@@ -301,6 +301,11 @@ def test_after_a_remount_cached_files_are_the_serving_processes_from_their_first
     assert after["disk"]["hits"] - before["disk"]["hits"] == cached
     assert after["fuse"]["read"] - before["fuse"]["read"] <= 2 * cold  # the kernel read the cached files itself
     assert after["fuse"].get("errors", 0) == 0
+    deadline = time.monotonic() + 15  # each cached file trusted once: by its registration or the check
+    while stats(mp)["disk"].get("trusted_files", 0) < cached and time.monotonic() < deadline:
+        time.sleep(0.05)
+    checked = stats(mp)["disk"]
+    assert checked["trusted_files"] == cached and checked.get("vouched_files", 0) <= cached
     with open("/proc/sys/vm/drop_caches", "w") as f:  # every file looked up and opened again
         f.write("2\n")
     epoch(mp, data, 3)

@@ -23,13 +23,15 @@ from cachefs.config import (
     SCRUB_IDLE_RATE,
     SCRUB_RATE,
     TRUST_RATE,
+    VOUCH_QUIET,
     WRITER_NICE,
 )
 from cachefs.directio import DescriptorCache, pread, pread_direct
 from cachefs.identity import BlockKey
 from cachefs.stats import Stats
+from cachefs.tiers.coldset import COLD
 from cachefs.tiers.entry import Entry
-from cachefs.tiers.layout import block_hash
+from cachefs.tiers.layout import SUBDIR_CHARS, block_hash
 
 if TYPE_CHECKING:
     from cachefs.tiers.coldset import Restored
@@ -101,6 +103,9 @@ class Checks:
 
         def file_of(self, name: str) -> str: ...
 
+        @property
+        def data_dir(self) -> str: ...
+
         def _unchanged(self, e: Entry, key: BlockKey, expected: object) -> bool: ...
 
         def _failed_check(self, key: BlockKey, why: str) -> None: ...
@@ -135,12 +140,16 @@ class Checks:
         """_unchanged_since for a record of the entry table (one a clean stop wrote back)."""
         return bool(row.synced_ns) and self._unchanged_since(row.eid.hex(), row.synced_ns, row.attr.size)
 
-    def _unchanged_since(self, name: str, at_ns: int, size: int) -> bool:
+    def _unchanged_since(self, name: str, at_ns: int, size: int, data_fd: int = -1) -> bool:
         """Whether entry file `name` is as a clean stop at `at_ns` left it: its ctime from
         before that stop (less the margin), its size `size`. False if it cannot be stat'ed
-        (the read that follows finds out why)."""
+        (the read that follows finds out why). `data_fd`: the data directory, open (a stat
+        beneath it, not by the whole path)."""
         try:
-            st = os.stat(self.file_of(name))
+            if data_fd < 0:
+                st = os.stat(self.file_of(name))
+            else:
+                st = os.stat(f"{name[:SUBDIR_CHARS]}/{name}", dir_fd=data_fd, follow_symlinks=False)
         except OSError:
             return False
         return st.st_ctime_ns < at_ns - CLEAN_MARGIN_NS and st.st_size == size
@@ -195,29 +204,45 @@ class Checks:
 
     def _check_restored(self, restored: Restored) -> bool:
         """The restart check of the entries restored from the table, left out of memory
-        where their file is as the clean stop left it (one stat each, TRUST_RATE a second);
-        the others are brought in, to be read and compared by the check of entries in
-        memory that follows. False if the tier is closing."""
+        where their file is as the clean stop left it (one stat each beneath the data
+        directory, the records read in bulk: Table.synced; TRUST_RATE a second); the others
+        are brought in (their records read whole, CRC and all), to be read and compared by
+        the check of entries in memory that follows. False if the tier is closing."""
         debt = 0.0
         trusted = 0
-        for n, row, done in restored.rows():
-            if done:
-                continue  # trusted already (by needs_check, ahead of this pass)
-            ok = self._row_unchanged(row)
-            with self._lock:
-                if restored.cold(n):
-                    if ok:
-                        restored.trust(n)
-                        trusted += 1
-                    else:
-                        restored.take(n, row)
-            debt += 1.0 / TRUST_RATE
-            if debt >= 0.05:
-                self._stats.incr("disk.trusted_files", trusted)
-                trusted = 0
-                if self._stop.wait(debt):
-                    return False
-                debt = 0.0
+        state = restored.state
+        try:
+            data_fd = os.open(self.data_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            data_fd = -1  # (stat'ed by path: what fails there, the reads that follow find)
+        vouched = -1
+        try:
+            for n, eid, synced_ns, size in restored.table.synced():
+                while vouched != restored.vouched:  # the job is opening files the serving processes test
+                    vouched = restored.vouched
+                    if self._stop.wait(VOUCH_QUIET):
+                        return False
+                if state[n] != COLD:
+                    continue  # in memory, gone, or trusted already (by needs_check, ahead of this pass)
+                ok = bool(synced_ns) and self._unchanged_since(eid.hex(), synced_ns, size, data_fd)
+                row = None if ok else restored.row(n)
+                with self._lock:
+                    if state[n] == COLD:
+                        if ok:
+                            restored.trust(n)
+                            trusted += 1
+                        elif row is not None:  # (a record failing its CRC: its file is fetched again when read)
+                            restored.take(n, row)
+                debt += 1.0 / TRUST_RATE
+                if debt >= 0.05:
+                    self._stats.incr("disk.trusted_files", trusted)
+                    trusted = 0
+                    if self._stop.wait(debt):
+                        return False
+                    debt = 0.0
+        finally:
+            if data_fd >= 0:
+                os.close(data_fd)
         self._stats.incr("disk.trusted_files", trusted)
         return not self._stop.is_set()
 

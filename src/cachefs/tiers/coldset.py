@@ -59,6 +59,7 @@ class Restored:
         # (wall clock; 0: not since, OUTDATED: found changed): its `stored_at` then
         self.checked = array("d", bytes(8 * table.count))
         self.read = 0               # cold records read since the start
+        self.vouched = 0            # records the serving processes' registrations vouched for (vouch)
         self.touches = 0            # hits on them
         self._found: dict[bytes, int] = {}  # whole_cold's answers, for the touch that follows
         self._recent: dict[int, Row] = {}   # records a lookup read, for the questions after it (seen)
@@ -290,6 +291,19 @@ class Restored:
     def trust(self, n: int) -> None:
         if self.state[n] == COLD:
             self.state[n] = TRUSTED
+
+    def vouch(self, records: list[int]) -> int:
+        """Records whose files a serving process found as the clean stop left them (its own
+        test, at the open it registered a backing id for: Mapped.open_held) are trusted as
+        the restart check would trust them; how many were still to check. `vouched` counts
+        them (the restart check waits while it grows). The tier's lock held."""
+        state, found = self.state, 0
+        for n in records:
+            if 0 <= n < len(state) and state[n] == COLD:
+                state[n] = TRUSTED
+                found += 1
+        self.vouched += len(records)
+        return found
 
     def oldest(self) -> Iterator[tuple[Hashable, int]]:
         """The cold blocks not read since the start in restore order (oldest `stored at`

@@ -433,6 +433,11 @@ class MultiLevelCache:
         """Record n of that entry table: its entry id and file size, read cheaply (no path)."""
         return self.disk.table_eid_size(n) if self.disk is not None else None
 
+    def table_rows_vouched(self, records: list[int]) -> None:
+        """Records of that entry table whose files a serving process tested (FromTable.vouch_rows)."""
+        if self.disk is not None:
+            self.disk.vouch_rows(records)
+
     def table_record_of(self, path: str) -> int | None:
         """The record of that entry table holding the newest version of `path`, if any."""
         return self.disk.table_find(path=path) if self.disk is not None else None

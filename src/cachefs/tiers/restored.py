@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from cachefs.config import format_size
+from cachefs.config import SWEEP_RATE, format_size
 from cachefs.identity import BlockKey, EntryInfo
 from cachefs.policy import Policy
 from cachefs.stats import Stats
@@ -25,10 +25,11 @@ from cachefs.tiers import index, table
 from cachefs.tiers.checks import Synced
 from cachefs.tiers.coldset import COLD, TRUSTED, WARM, Restored
 from cachefs.tiers.entry import Entry
-from cachefs.tiers.layout import replace_durably
+from cachefs.tiers.layout import SUBDIR_CHARS, replace_durably
 from cachefs.tiers.table import Row, Table
 
 log = logging.getLogger(__name__)
+assert SUBDIR_CHARS == 2  # a data subdirectory per first byte of the entry id (_sweep_orphans)
 
 
 def row_of(e: Entry, now_ns: int) -> Row:
@@ -77,7 +78,7 @@ class FromTable:
 
         def _row_unchanged(self, row: Row) -> bool: ...
 
-        def _files(self) -> dict[str, str]: ...
+        _stop: threading.Event
 
         def _refresh_limits(self, incoming: int = 0, force: bool = False) -> None: ...
 
@@ -236,6 +237,17 @@ class FromTable:
             r.found(found[0], n, found[2])
         return found[:2]
 
+    def vouch_rows(self, records: list[int]) -> None:
+        """Table nodes a serving process registered a backing id for, after its own test of
+        their files (Restored.vouch): trusted without the restart check's stat, if they stand
+        for records of the table this start came from."""
+        r = self._restored
+        if r is None or self._nodes_table() is not r.table:
+            return
+        with self._lock:
+            found = r.vouch(records)
+        self._stats.add_many({"disk.trusted_files": found, "disk.vouched_files": found})
+
     def held_at(self, path: str) -> float | None:
         """The wall time the attributes of `path`'s newest cached version were last known
         good, if the tier holds that version whole and checked since the start (None if
@@ -384,31 +396,74 @@ class FromTable:
     def _sweep_orphans(self) -> int:
         """After a start from the table (which lists nothing): delete the files older than
         the start that no entry describes (written by someone else into the cache dir, or
-        by a run that stopped between a file and its record). In the background, once;
-        the number deleted."""
+        by a run that stopped between a file and its record). In the background, once: the
+        ids of the records still cold read in bulk (the first 8 bytes of each, by data
+        subdirectory: 8 bytes a record while it runs), then a subdirectory at a time, its
+        names against them, at most SWEEP_RATE files a second; the number deleted."""
         r = self._restored
         if r is None:
             return 0
+        cold: list[array[int] | None] = [array("Q") for _ in range(256)]  # by the id's first byte: its subdirectory
+        state = r.state
+        for n, eid, _, _ in r.table.synced():
+            if state[n] < WARM:
+                cold[eid[0]].append(int.from_bytes(eid[:8], "big"))  # type: ignore[union-attr]
+        try:
+            subdirs = sorted(d.name for d in os.scandir(self._data) if d.is_dir(follow_symlinks=False))
+        except OSError:
+            return 0
         gone = 0
-        for name, path in self._files().items():
-            eid = bytes.fromhex(name)
-            if eid in self._entries:
-                continue
-            n = r.table.find(eid)
-            if n is not None and r.cold(n):
+        debt = 0.0
+        for sub in subdirs:
+            try:
+                first = int(sub, 16) if len(sub) == SUBDIR_CHARS else -1
+                if first < 0:  # (not a subdirectory of ours: nothing in it is)
+                    continue
+                held, cold[first] = cold[first], None
+                fd = os.open(os.path.join(self._data, sub), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except (ValueError, OSError):
                 continue
             try:
-                if os.stat(path).st_mtime >= self._restored_at - 2:
-                    continue  # written since the start (a fetch process's file before it is adopted)
-                with self._lock:
-                    if self._entries.get(eid) is None:
-                        os.unlink(path)
-                        gone += 1
+                keys = set(held or ())
+                for name in os.listdir(fd):
+                    gone += self._orphan(sub, fd, name, keys)
+                    debt += 1.0 / SWEEP_RATE
+                    if debt >= 0.05:
+                        if self._stop.wait(debt):
+                            return gone
+                        debt = 0.0
             except OSError:
                 continue
+            finally:
+                os.close(fd)
         if gone:
             log.info("NVMe tier: deleted %d files no entry described", gone)
         return gone
+
+    def _orphan(self, sub: str, fd: int, name: str, cold: set[int]) -> bool:
+        """Delete file `name` of data subdirectory `sub` (open at `fd`) if it is an orphan:
+        not a cold record's (`cold`: their ids' first 8 bytes), nor an entry's in memory,
+        and older than the start (_sweep_orphans). Whether it was."""
+        if len(name) != 32 or not name.startswith(sub):
+            return False
+        try:
+            if int(name[:16], 16) in cold:
+                return False
+            eid = bytes.fromhex(name)
+        except ValueError:
+            return False
+        if eid in self._entries:
+            return False
+        try:
+            if os.stat(name, dir_fd=fd, follow_symlinks=False).st_mtime >= self._restored_at - 2:
+                return False  # written since the start (a fetch process's file before it is adopted)
+            with self._lock:
+                if self._entries.get(eid) is None:
+                    os.unlink(name, dir_fd=fd)
+                    return True
+        except OSError:
+            pass
+        return False
 
     @staticmethod
     def _entry_of(row: Row, trusted: bool = False) -> Entry:

@@ -59,6 +59,10 @@ _PATH_AT = struct.Struct("<QH")
 _HEAD = struct.Struct("<16sdqIIQH")  # RECORD's first fields: eid, stored_at, synced_ns, block_size, nblocks, path
 assert RECORD.format.startswith(_HEAD.format)
 _STORED_AT = struct.Struct(f"<16xd{RECORD.size - 24}x")  # a record's `stored at`
+_SIZE_AT = struct.calcsize("<16sdqIIQHHIQQ" + "q" * Attr._fields.index("size"))  # its file size's offset
+# a record's entry id, `synced` and file size (the restart check's, Table.synced)
+_SYNCED = struct.Struct(f"<16s8xq{_SIZE_AT - 32}xq{RECORD.size - _SIZE_AT - 8}x")
+assert RECORD.format.startswith("<16sdqIIQHHIQQ") and _SYNCED.size == RECORD.size
 
 
 class Row(NamedTuple):
@@ -329,15 +333,29 @@ class Table:
     def _read(self, at: int, length: int) -> bytes:
         return os.pread(self._fd, length, at)
 
-    def stored_ats(self) -> array[float]:
-        """Every record's `stored at`, read 4,096 records at a time (not CRC-checked: for
-        an order, a record's own read checks it)."""
-        out = array("d")
-        step = 4096
+    def _chunks(self, step: int = 4096) -> Iterator[tuple[int, bytes]]:
+        """(first record number, its records' bytes), `step` records at a time (one pread
+        each, not CRC-checked)."""
         for first in range(0, self.count, step):
             chunk = self._read(HEADER.size + first * RECORD.size, min(step, self.count - first) * RECORD.size)
+            yield first, chunk[:len(chunk) - len(chunk) % RECORD.size]
+
+    def stored_ats(self) -> array[float]:
+        """Every record's `stored at`, in bulk (not CRC-checked: for an order, a record's own
+        read checks it)."""
+        out = array("d")
+        for _, chunk in self._chunks():
             out.extend(at for (at,) in _STORED_AT.iter_unpack(chunk))
         return out
+
+    def synced(self) -> Iterator[tuple[int, bytes, int, int]]:
+        """(record number, entry id, `synced` ns, file size) of every record, in bulk and not
+        CRC-checked: the restart check's, which needs no more to stat a file (about 3 us a
+        record here, against 8-12 for a whole row and a stat by path). What it trusts is the
+        file; the record's own CRC is checked whenever it is read (row)."""
+        for first, chunk in self._chunks():
+            for i, (eid, synced_ns, size) in enumerate(_SYNCED.iter_unpack(chunk)):
+                yield first + i, eid, synced_ns, size
 
     def row(self, n: int) -> Row | None:
         """Record `n`, or None if it fails its CRC (or cannot be read)."""
