@@ -6,6 +6,7 @@ the index does not name)."""
 
 import os
 import stat
+import threading
 import time
 import zlib
 
@@ -254,6 +255,34 @@ def test_records_a_serving_process_vouched_for_are_trusted_and_the_check_waits_w
     assert stats.get("disk.trusted_files") == 6 and all(r.state[number[n]] == TRUSTED for n in range(6))
     assert t2.get((eid(0), 0)) == bytes([0]) * 3000 and t2.get((eid(1), 0)) == bytes([1]) * 3000
     check(t2)
+
+
+def test_the_orphan_sweep_waits_while_the_job_opens_cached_files(disk, monkeypatch):
+    from cachefs.tiers import restored as restored_mod
+
+    monkeypatch.setattr(restored_mod, "SWEEP_RATE", 20)   # a pause, and a look at the job, at each file
+    monkeypatch.setattr(restored_mod, "VOUCH_QUIET", 0.3)
+    t = disk()
+    for n in range(3):
+        put(t, n, bytes([n]) * 3000)
+    t.close()
+    orphans = [t.file_of(eid(n).hex()) for n in (70, 71)]
+    for path in orphans:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "wb").write(b"no record")
+        os.utime(path, (time.time() - 60, time.time() - 60))
+    t2 = disk()
+    done: list[int] = []
+    sweep = threading.Thread(target=lambda: done.append(t2._sweep_orphans()))
+    sweep.start()
+    until = time.monotonic() + 2.0
+    while time.monotonic() < until:                           # the job opens a cached file every 50 ms
+        assert t2.hit_whole([eid(1)]) == [True]
+        time.sleep(0.05)
+    assert sweep.is_alive() and not done                      # 5 files at 20 a second: it waited
+    sweep.join(10)
+    assert done == [2] and not any(os.path.exists(p) for p in orphans)
+    assert t2.get((eid(2), 0)) == bytes([2]) * 3000
 
 
 def test_the_restart_check_reads_records_in_bulk(disk):

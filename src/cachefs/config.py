@@ -353,7 +353,8 @@ CLEAN_MARGIN_NS = 2_000_000_000
 VOUCH_QUIET = 1.0
 # After a start from the entry table, one pass deletes the files no entry describes (an
 # orphan costs disk space only): at most this many files a second (1.5-2.2 us each: ~2% of
-# a core), so that it does not land on an epoch.
+# a core), and only while the job opens no cached file, so that it does not land on an
+# epoch.
 SWEEP_RATE = 10_000
 # The periodic pass over the whole tier for bit rot (--scrub-interval): at most this many
 # bytes and blocks a second. Small files cost the scrub per block, not per byte: going

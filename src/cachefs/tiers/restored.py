@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from cachefs.config import SWEEP_RATE, format_size
+from cachefs.config import SWEEP_RATE, VOUCH_QUIET, format_size
 from cachefs.identity import BlockKey, EntryInfo
 from cachefs.policy import Policy
 from cachefs.stats import Stats
@@ -399,7 +399,8 @@ class FromTable:
         by a run that stopped between a file and its record). In the background, once: the
         ids of the records still cold read in bulk (the first 8 bytes of each, by data
         subdirectory: 8 bytes a record while it runs), then a subdirectory at a time, its
-        names against them, at most SWEEP_RATE files a second; the number deleted."""
+        names against them, at most SWEEP_RATE files a second, and only while the job opens
+        no cached file (a second without one: VOUCH_QUIET); the number deleted."""
         r = self._restored
         if r is None:
             return 0
@@ -414,6 +415,7 @@ class FromTable:
             return 0
         gone = 0
         debt = 0.0
+        busy = r.vouched + r.touches  # the job's opens of cached files, counted (see below)
         for sub in subdirs:
             try:
                 first = int(sub, 16) if len(sub) == SUBDIR_CHARS else -1
@@ -432,6 +434,10 @@ class FromTable:
                         if self._stop.wait(debt):
                             return gone
                         debt = 0.0
+                        while busy != r.vouched + r.touches:  # a job reads: it waits for a pause
+                            busy = r.vouched + r.touches
+                            if self._stop.wait(VOUCH_QUIET):
+                                return gone
             except OSError:
                 continue
             finally:
