@@ -7,7 +7,9 @@ After a clean stop (everything written back with syncfs, then the index's C line
 entry whose file has not changed since is trusted at the cost of one stat: reading and
 hashing 200,000 small files after every remount cost the daemon a third of its CPU in the
 first epoch. What a clean stop does not vouch for (a crash, a file written to since) is
-read and compared once before it is served.
+read and compared once before it is served. A serving process makes the same test when it
+registers a backing id for a file's first open: those registrations vouch for their
+records (Restored.vouch), and the check of the entry table's records waits while they come.
 """
 
 from __future__ import annotations
