@@ -48,7 +48,8 @@ from cachefs.tiers.layout import SUBDIR_CHARS, block_hash, write_all
 NAME = "entries.v1"
 MAGIC = b"cachefT1"
 HEADER = struct.Struct("<8sQQqQQQI4x")  # magic, count, buckets, stop ns, used bytes, blocks, id, crc
-RECORD = struct.Struct("<16sdqIIQHHIQQ" + "q" * STAT_FIELDS)
+_FIXED = "<16sdqIIQHHIQQ"  # a record's fields before its stat fields
+RECORD = struct.Struct(_FIXED + "q" * STAT_FIELDS)
 # eid, stored_at, synced_ns, block_size, nblocks, path_off, path_len, flags, crc, aux_off, hash0, attr
 NEWEST = 1  # flags: the newest entry of its path (the one the path buckets lead to)
 _U32 = struct.Struct("<I")
@@ -59,10 +60,9 @@ _PATH_AT = struct.Struct("<QH")
 _HEAD = struct.Struct("<16sdqIIQH")  # RECORD's first fields: eid, stored_at, synced_ns, block_size, nblocks, path
 assert RECORD.format.startswith(_HEAD.format)
 _STORED_AT = struct.Struct(f"<16xd{RECORD.size - 24}x")  # a record's `stored at`
-_SIZE_AT = struct.calcsize("<16sdqIIQHHIQQ" + "q" * Attr._fields.index("size"))  # its file size's offset
+_SIZE_AT = struct.calcsize(_FIXED + "q" * Attr._fields.index("size"))  # its file size's offset
 # a record's entry id, `synced` and file size (the restart check's, Table.synced)
-_SYNCED = struct.Struct(f"<16s8xq{_SIZE_AT - 32}xq{RECORD.size - _SIZE_AT - 8}x")
-assert RECORD.format.startswith("<16sdqIIQHHIQQ") and _SYNCED.size == RECORD.size
+_SYNCED = struct.Struct(f"<16s8xq{_SIZE_AT - 32}xq{RECORD.size - _SIZE_AT - 8}x")  # (32: eid, stored at, synced)
 
 
 class Row(NamedTuple):
