@@ -258,10 +258,11 @@ def test_records_a_serving_process_vouched_for_are_trusted_and_the_check_waits_w
 
 
 def test_the_orphan_sweep_waits_while_the_job_opens_cached_files(disk, monkeypatch):
+    from cachefs.tiers import checks as checks_mod
     from cachefs.tiers import restored as restored_mod
 
     monkeypatch.setattr(restored_mod, "SWEEP_RATE", 20)   # a pause, and a look at the job, at each file
-    monkeypatch.setattr(restored_mod, "VOUCH_QUIET", 0.3)
+    monkeypatch.setattr(checks_mod, "VOUCH_QUIET", 0.3)
     t = disk()
     for n in range(3):
         put(t, n, bytes([n]) * 3000)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cachefs.config import (
@@ -138,6 +139,18 @@ class Checks:
             self._stats.incr("disk.trusted_files")
         return ok
 
+    def _pause(self, activity: Callable[[], int], seen: int) -> int | None:
+        """Wait until `activity` (a count of the job's opens of cached files) has not moved
+        for VOUCH_QUIET since it was `seen`: its value then, or None if the tier is closing.
+        The background passes after a start wait so for what the job's opens do anyway."""
+        now = activity()
+        while now != seen:
+            seen = now
+            if self._stop.wait(VOUCH_QUIET):
+                return None
+            now = activity()
+        return seen
+
     def _row_unchanged(self, row: Row) -> bool:
         """_unchanged_since for a record of the entry table (one a clean stop wrote back)."""
         return bool(row.synced_ns) and self._unchanged_since(row.eid.hex(), row.synced_ns, row.attr.size)
@@ -220,10 +233,10 @@ class Checks:
         vouched = -1
         try:
             for n, eid, synced_ns, size in restored.table.synced():
-                while vouched != restored.vouched:  # the job is opening files the serving processes test
-                    vouched = restored.vouched
-                    if self._stop.wait(VOUCH_QUIET):
+                if vouched != restored.vouched:  # the job is opening files the serving processes test
+                    if (paused := self._pause(lambda: restored.vouched, vouched)) is None:
                         return False
+                    vouched = paused
                 if state[n] != COLD:
                     continue  # in memory, gone, or trusted already (by needs_check, ahead of this pass)
                 ok = bool(synced_ns) and self._unchanged_since(eid.hex(), synced_ns, size, data_fd)

@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from cachefs.config import SWEEP_RATE, VOUCH_QUIET, format_size
+from cachefs.config import SWEEP_RATE, format_size
 from cachefs.identity import BlockKey, EntryInfo
 from cachefs.policy import Policy
 from cachefs.stats import Stats
@@ -79,6 +79,8 @@ class FromTable:
         def _row_unchanged(self, row: Row) -> bool: ...
 
         _stop: threading.Event
+
+        def _pause(self, activity: Callable[[], int], seen: int) -> int | None: ...
 
         def _refresh_limits(self, incoming: int = 0, force: bool = False) -> None: ...
 
@@ -400,7 +402,7 @@ class FromTable:
         ids of the records still cold read in bulk (the first 8 bytes of each, by data
         subdirectory: 8 bytes a record while it runs), then a subdirectory at a time, its
         names against them, at most SWEEP_RATE files a second, and only while the job opens
-        no cached file (a second without one: VOUCH_QUIET); the number deleted."""
+        no cached file (_pause); the number deleted."""
         r = self._restored
         if r is None:
             return 0
@@ -434,10 +436,9 @@ class FromTable:
                         if self._stop.wait(debt):
                             return gone
                         debt = 0.0
-                        while busy != r.vouched + r.touches:  # a job reads: it waits for a pause
-                            busy = r.vouched + r.touches
-                            if self._stop.wait(VOUCH_QUIET):
-                                return gone
+                        if (paused := self._pause(lambda: r.vouched + r.touches, busy)) is None:
+                            return gone  # (a job reading: it waited for a pause)
+                        busy = paused
             except OSError:
                 continue
             finally:
