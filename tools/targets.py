@@ -95,7 +95,8 @@ def mounted(source: str, mp: str, cache: str, extra: Sequence[str] = (), baselin
 
 
 def cpu(proc: psutil.Process) -> float:
-    """CPU seconds of the daemon and its fetch processes (children that live as long as it)."""
+    """CPU seconds of the daemon and its child processes: those alive (fetch and serving
+    processes), and those that ended and were waited for (a short-lived helper's)."""
     total = 0.0
     for p in [proc, *proc.children(recursive=True)]:
         try:
@@ -103,6 +104,8 @@ def cpu(proc: psutil.Process) -> float:
         except psutil.NoSuchProcess:
             continue
         total += t.user + t.system
+        if p is proc:
+            total += t.children_user + t.children_system
     return total
 
 
