@@ -362,6 +362,29 @@ def test_after_a_restart_directory_read_ahead_passes_by_the_files_held_and_fills
     core.close()
 
 
+@pytest.mark.usefixtures("no_margin")
+def test_opens_the_kernel_passed_through_take_no_directory_on_and_a_miss_does(tmp_path):
+    """The serving processes' reports of opens (files cached whole, their siblings most
+    likely too) take no directory on for read-ahead, whatever they name, a path or an
+    entry id: each would cost a probe of the index per sibling. The first sibling that is
+    not cached comes to the daemon, and its read takes the directory on."""
+    from cachefs.identity import FileId
+
+    source = MemorySource()
+    p = Prefetcher(workers=0)
+    core = _restarted(tmp_path, source, FILES, checked=True, prefetcher=p, readahead="dir")
+    fids = [core.file_id(name) for name in sorted(FILES)[:4]]
+    core.count_opens(fids)
+    core.count_opens([FileId("", fid.size, 0) for fid in fids], [core.entry_id(fid) for fid in fids])
+    run_until_idle(p)
+    assert core.stats.get("prefetch.dirs") == 0 and core.stats.get("prefetch.dir_cached") == 0
+    source.add_file("/d/new", b"n" * 3000)
+    assert core.read("/d/new", 0, 10) == b"n" * 10
+    run_until_idle(p)
+    assert core.stats.get("prefetch.dirs") == 1 and core.stats.get("prefetch.dir_cached") == len(FILES)
+    core.close()
+
+
 def _first_mount_stored(tmp_path, **kw):
     source = MemorySource()
     for name, data in FILES.items():

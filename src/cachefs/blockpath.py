@@ -364,16 +364,16 @@ class BlockPath:
         count as hits of the tier its copy is in, as open_file counts them, in one stats
         update, and a file on NVMe is promoted into RAM as at open_file. Whether each file
         is in RAM now. `eids`, where given, are the files' entry ids (the daemon keeps each
-        published node's): one is computed (a hash of the path) only where it is None. A
-        FileId without a path (a table node's open, known by its entry id) is counted, but
-        its directory is not taken on for read-ahead: it was cached whole at a clean stop,
-        most likely with its siblings, whose check one by one cost about 54 us an open in
-        the first epoch after a remount at 1.28 million files (an uncached sibling's open
-        comes to the daemon, and takes the directory on)."""
+        published node's): one is computed (a hash of the path) only where it is None (a
+        FileId without a path: a table node's open, known by its entry id). No directory
+        is taken on for read-ahead here: a file opened this way was cached whole, most
+        likely with its siblings, and the first sibling that is not comes to the daemon
+        (its open, its read) and takes the directory on then. The check of each sibling
+        against the index had cost about 54 us an open in the first epoch after a remount
+        at 1.28 million files, and a third of the main process's samples in the epoch after
+        it at 200,000, where the opens of RAM's files took every directory on again."""
         add: dict[str, int] = {}
         in_ram = []
-        if self._touch_many is not None:
-            self._touch_many(fid.path for fid in fids if fid.path)  # their siblings are fetched ahead, as for reads
         # promoted as at open_file: not a file fetched ahead at its first open (an eid seen
         # earlier in the report was heard then, and is no guess any more)
         guesses, most, seen = self._guesses, self.whole_file_max, set()
