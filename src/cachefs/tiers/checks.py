@@ -153,13 +153,16 @@ class Checks:
 
     def _row_unchanged(self, row: Row) -> bool:
         """_unchanged_since for a record of the entry table (one a clean stop wrote back)."""
-        return bool(row.synced_ns) and self._unchanged_since(row.eid.hex(), row.synced_ns, row.attr.size)
+        return self._unchanged_since(row.eid.hex(), row.synced_ns, row.attr.size)
 
     def _unchanged_since(self, name: str, at_ns: int, size: int, data_fd: int = -1) -> bool:
         """Whether entry file `name` is as a clean stop at `at_ns` left it: its ctime from
-        before that stop (less the margin), its size `size`. False if it cannot be stat'ed
-        (the read that follows finds out why). `data_fd`: the data directory, open (a stat
-        beneath it, not by the whole path)."""
+        before that stop (less the margin), its size `size`. False without a stop (`at_ns`
+        0: not written back at one), or if it cannot be stat'ed (the read that follows finds
+        out why). `data_fd`: the data directory, open (a stat beneath it, not by the whole
+        path)."""
+        if not at_ns:
+            return False
         try:
             if data_fd < 0:
                 st = os.stat(self.file_of(name))
@@ -239,7 +242,7 @@ class Checks:
                     vouched = paused
                 if state[n] != COLD:
                     continue  # in memory, gone, or trusted already (by needs_check, ahead of this pass)
-                ok = bool(synced_ns) and self._unchanged_since(eid.hex(), synced_ns, size, data_fd)
+                ok = self._unchanged_since(eid.hex(), synced_ns, size, data_fd)
                 row = None if ok else restored.row(n)
                 with self._lock:
                     if state[n] == COLD:
