@@ -21,7 +21,7 @@ LAYERS = [
                            "tiers.checks", "tiers.shared", "tiers.promote", "tiers.multilevel", "tiers.build",
                            "source", "memsource"}),
     ("scheduling", {"gate", "prefetch", "flight", "guard"}),
-    ("core parts", {"metadata", "listahead", "listings", "blockpath", "fetcher", "fills", "dirahead"}),
+    ("core parts", {"metadata", "dircheck", "listahead", "listings", "blockpath", "fetcher", "fills", "dirahead"}),
     ("core", {"core"}),
     ("features", {"hints", "warm", "coverage", "control", "metrics"}),
     ("file system", {"nodes", "published", "tablenodes", "serving", "fs"}),

@@ -19,11 +19,15 @@ is refused, as he would be without the ACL. The xattr itself is passed through u
 
 from __future__ import annotations
 
+import errno
 import functools
 import grp
 import pwd
+import stat
 import struct
 from collections.abc import Callable
+
+from cachefs.identity import Attr
 
 XATTR = "system.posix_acl_access"
 
@@ -75,3 +79,17 @@ def restrict(mode: int, raw: bytes, gid: int = -1,
             group &= perm & mask
         other &= perm & mask
     return (mode & ~0o777) | (owner << 6) | (group << 3) | other
+
+
+def restricted(attr: Attr, path: str, getxattr: Callable[[str, str], bytes]) -> Attr:
+    """`attr` with its mode cut down to what `path`'s ACL (read with `getxattr`) grants each
+    class of users (restrict), so that the kernel never grants more."""
+    if stat.S_ISLNK(attr.mode):
+        return attr
+    try:
+        raw = getxattr(path, XATTR)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return attr  # no ACL (or no extended attributes here, so none)
+        return attr._replace(mode=attr.mode & ~0o077)  # unknown: never more than the owner's
+    return attr._replace(mode=restrict(attr.mode, raw, attr.gid))
