@@ -152,7 +152,9 @@ def test_a_record_confirmed_or_outdated_stays_in_the_table_with_its_new_time(dis
     t.close()
     t2 = disk()
     before = {n: t2.attr_of(f"/f{n}")[1] for n in range(5)}
-    assert t2.confirm("/f1") == eid(1) and t2.outdated("/f2") is None and t2._entries == {}
+    assert t2.confirm("/f3", lambda attr: False) is None  # not the version the source has: not confirmed
+    assert t2.confirm("/f1") == (eid(1), t2.table_find(path="/f1")) and t2.outdated("/f2") is None
+    assert t2._entries == {}
     now = t2.attr_of("/f1")[1]
     assert now > before[1] and t2.attr_of("/f2")[1] == 0.0 and t2.attr_of("/f3")[1] == before[3]
     assert t2.entry(eid(1)).stored_at == now and t2.entry(eid(2)).stored_at == 0.0  # brought in: the same

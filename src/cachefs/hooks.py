@@ -29,12 +29,12 @@ class KernelHooks:
         # own invalidate (None): the file system forgets it and has the kernel look it up again.
         self.on_source_changed: Callable[[str], None] | None = None
         # Called with the entry id of a cached file version the source was found to have
-        # still (its attributes good as of now)
-        self.on_confirmed: Callable[[bytes], None] | None = None
+        # still (its attributes good as of now), and its record of the entry table (-1: unknown)
+        self.on_confirmed: Callable[[bytes, int], None] | None = None
 
     def connect(self, blocking: Callable[[], AbstractContextManager[None]] | None = None,
                 on_source_changed: Callable[[str], None] | None = None, passthrough: bool | None = None,
-                on_confirmed: Callable[[bytes], None] | None = None) -> None:
+                on_confirmed: Callable[[bytes, int], None] | None = None) -> None:
         if blocking is not None:
             self.blocking = blocking
         if on_source_changed is not None:

@@ -212,11 +212,9 @@ class Metadata:
         """`path`'s listing as kept on the cache disk, if listed within --metadata-ttl (a
         restarted mount): no request to the source, and no check of the directory until
         then, as its files' attributes are answered from the NVMe index until theirs. Not
-        where those are past the TTL (or will be within the check's margin) and the
-        directory was not checked since the start: it is listed again, with attributes, as
-        its check (else the walk took the kept listing, the epoch met the expired records,
-        and every file's lookup was a stat until the directory's check in the background
-        landed: 15,000 of 200,000 at a third of the speed)."""
+        where those are past the TTL (or within the check's margin) and the directory was
+        not checked since the start: listed again, with attributes, as its check (else the
+        epoch met the expired records, a stat each: docs/benchmarks.md)."""
         if self._listings is None:
             return None
         kept = self._listings.load(path)
@@ -326,14 +324,17 @@ class Metadata:
         if known is not None and not same:
             self._cache.outdated(path)
 
-    def _confirm(self, path: str) -> None:
-        """The source has the newest cached version of `path`: the index's entry is known
-        good as of now, and so is its table node, if the serving processes answer one
-        (KernelHooks.on_confirmed): a job past --metadata-ttl has each file checked once a
-        TTL, not each lookup of it sent to the daemon."""
-        eid = self._cache.confirm(path)
-        if eid is not None and self._hooks.on_confirmed is not None:
-            self._hooks.on_confirmed(eid)
+    def _confirm(self, path: str, fresh: Attr | None = None) -> bytes | None:
+        """The source has the newest cached version of `path` (if its attributes match
+        `fresh`: one read of its record): the index's entry is known good as of now, and so
+        is its table node, if the serving processes answer one (KernelHooks.on_confirmed): a
+        job past --metadata-ttl has each file checked once a TTL, not each lookup of it sent
+        to the daemon. Its entry id, or None (none cached, or another version)."""
+        same = None if fresh is None else lambda known: FileId.of(path, known).matches(fresh)
+        found = self._cache.confirm(path, same)
+        if found is not None and self._hooks.on_confirmed is not None:
+            self._hooks.on_confirmed(*found)
+        return None if found is None else found[0]
 
     def _indexed(self, path: str) -> Attr | None:
         """A lookup answered from the NVMe tier's index (see __init__), or None."""
@@ -409,16 +410,12 @@ class Metadata:
             self._checks.submit(directory)
 
     def _check_dir(self, directory: str, entries: Collection[DirEntry]) -> None:
-        """The first listing of a directory since the start, with attributes: its files'
-        attributes are cached, and those the index answered with are compared."""
+        """The first listing of a directory since the start, with attributes: compared with
+        the index (_compare)."""
         prefix = directory.rstrip("/") + "/"
-        fresh = {}
-        for e in entries:
-            if e.attr is not None:
-                fresh[e.name] = e.attr
-                self._attrs.put(prefix + e.name, self._with_acl(prefix + e.name, e.attr), self.metadata_ttl)
+        fresh = {e.name: e.attr for e in entries if e.attr is not None}
         # Only now is the directory checked: until here a lookup found the index (and is
-        # in `answered`) or the listing's attributes, never the source.
+        # in `answered`), never the source (but a file the index does not hold).
         done = threading.Event()
         with self._check_lock:
             self._checked_dirs[directory] = time.time()  # (before _compare confirms what it finds)
@@ -448,18 +445,20 @@ class Metadata:
             done.wait(CHECK_WAIT)
 
     def _compare(self, prefix: str, fresh: dict[str, Attr], answered: set[str]) -> None:
-        """A directory's check: the listing's attributes `fresh` against the index's."""
+        """A directory's check: the listing's attributes `fresh` against the index's. A file
+        the index holds as the source has it is confirmed, with one read of its record (the
+        index answers for it: not cached twice); the others' attributes are cached."""
+        ttl = self.metadata_ttl
         for name, attr in fresh.items():
-            known = self._cache.indexed_attr(prefix + name)
-            if known is None:
+            path = prefix + name
+            if self._confirm(path, attr) is not None:
+                if self.check_acls:  # (kept cut down to the file's ACL, see _index_answer)
+                    self._attrs.put(path, self._with_acl(path, attr), ttl)
                 continue
-            if FileId.of(prefix + name, known[0]).matches(attr):
-                self._confirm(prefix + name)
-                if not self.check_acls:  # the index answers for it (see _index_answer)
-                    self._attrs.pop(prefix + name)
-            elif name in answered:
+            self._attrs.put(path, self._with_acl(path, attr), ttl)
+            if name in answered and self._cache.indexed_attr(path) is not None:
                 self.stats.incr("metadata.index_stale")
-                self._on_changed(prefix + name)  # the kernel may hold the old attributes
+                self._on_changed(path)  # the kernel may hold the old attributes
         for name in answered - fresh.keys():  # gone from the source since it was cached
             self.stats.incr("metadata.index_stale")
             self._on_changed(prefix + name)

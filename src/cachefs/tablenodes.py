@@ -313,8 +313,10 @@ class TableNodeOwner:
             return None
         return self._table.row_base + n, row
 
-    def _row_confirmed(self, eid: bytes) -> None:
-        """KernelHooks.on_confirmed: the source has the cached file version `eid` still. If
+    def _row_confirmed(self, eid: bytes, n: int = -1) -> None:
+        """KernelHooks.on_confirmed: the source has the cached file version `eid` still (in
+        record `n` of the entry table, if known: a search by its id was as costly as the
+        confirmation, in a directory's check after a restart). If
         a table node stands for it, the serving processes answer the node for
         --metadata-ttl from now (ServeTable.confirm_row), as this process answers from its
         index: past the TTL of when the files were fetched, an epoch's lookups go to the
@@ -323,9 +325,9 @@ class TableNodeOwner:
         table = self._table
         if table is None or not self._rows:
             return
-        n = self.core.cache.table_record_of_entry(eid)
-        if n is not None and n < table.rows:
-            table.confirm_row(n, time.time())
+        found = n if n >= 0 else self.core.cache.table_record_of_entry(eid)
+        if found is not None and found < table.rows:
+            table.confirm_row(found, time.time())
 
     def _resolve_row(self, nodeid: int) -> bool:
         """Nodes.resolve: a request for a table node the serving processes forwarded (one

@@ -521,11 +521,12 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
         e = self._entries.get(eid)
         return None if e is None else (e.attr, e.stored_at)
 
-    def confirm(self, path: str) -> bytes | None:
-        """The source still has the newest cached version of `path`: its attributes are good
-        as of now (kept in the index at the next compaction or clean stop). Its entry id,
-        or None (none cached)."""
-        return self._known_good(path, time.time())
+    def confirm(self, path: str, same: Callable[[Attr], bool] | None = None) -> tuple[bytes, int] | None:
+        """The source still has the newest cached version of `path` (if `same` says so of
+        its attributes): they are good as of now (kept in the index at the next compaction
+        or clean stop). Its entry id and its record of the entry table (-1: in memory), or
+        None (none cached, or not the same)."""
+        return self._known_good(path, time.time(), same)
 
     def outdated(self, path: str) -> None:
         """The source has another version of `path` than the newest cached one: its
@@ -533,26 +534,29 @@ class DiskTier(Checkpoints, FromTable, Checks, FileStore):
         after a restart); a check that finds the source back at this version confirms it."""
         self._known_good(path, 0.0)
 
-    def _known_good(self, path: str, when: float) -> bytes | None:
+    def _known_good(self, path: str, when: float,
+                    same: Callable[[Attr], bool] | None = None) -> tuple[bytes, int] | None:
         """The newest cached version of `path` has its attributes known good as of `when`
         (a record restored from the table and still there, in its column: Restored.stamp):
-        its entry id, or None (none cached)."""
+        its entry id and record (confirm), or None (none cached)."""
         eid = self._paths.get(path)
         if eid is None:
             found = self._restored_row(path)  # (None too if another thread brought it in meanwhile)
             with self._lock:
                 r = self._restored
                 if found is not None and r is not None and r.cold(found[0]):
+                    if same is not None and not same(found[1].attr):
+                        return None
                     r.stamp(found[0], when)
                     self._confirmed = True
-                    return found[1].eid
+                    return found[1].eid, found[0]
                 eid = self._paths.get(path)  # (brought in since the look)
         e = self._entries.get(eid) if eid is not None else None
-        if e is None:
+        if e is None or (same is not None and not same(e.attr)):
             return None
         e.stored_at = when
         self._confirmed = True
-        return eid
+        return e.eid, -1
 
     # -- shutdown -------------------------------------------------------------------------------
 

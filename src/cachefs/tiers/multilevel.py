@@ -482,10 +482,10 @@ class MultiLevelCache:
         if self.disk is not None:
             self.disk.on_unpathed.append(listener)
 
-    def confirm(self, path: str) -> bytes | None:
-        """The source still has the newest cached version of `path`: its entry id, if the
-        NVMe tier holds it."""
-        return self.disk.confirm(path) if self.disk is not None else None
+    def confirm(self, path: str, same: Callable[[Attr], bool] | None = None) -> tuple[bytes, int] | None:
+        """The source still has the newest cached version of `path` (if `same` says so of
+        its attributes): its entry id and entry table record (-1: none), if the NVMe tier holds it."""
+        return self.disk.confirm(path, same) if self.disk is not None else None
 
     def outdated(self, path: str) -> None:
         """The source has another version of `path` than the newest cached one."""
