@@ -551,7 +551,8 @@ def test_a_trusted_directory_is_checked_before_its_files_records_run_out(tmp_pat
     for name in FILES:
         core.getattr(name)
     _checked(core, "/d")
-    assert source.calls["listdir"] == listed + 1
+    assert source.calls["listdir"] == listed + 1 and core.stats.get("metadata.dirs_checked") == 1
+    assert core.stats.snapshot()["metadata"]["checks_waiting"] == 0
     time.sleep(max(0.0, stored + ttl + 0.1 - time.time()))  # the records as stored are past the TTL
     statted = _files_statted(source)
     for name, data in FILES.items():

@@ -43,6 +43,7 @@ class CheckQueue:
         self._thread: threading.Thread | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._running: set[str] = set()  # handed to the workers, not done (not queued again)
+        self.waiting: set[str] = set()  # the directories waiting until they are due (the loop's)
 
     def submit(self, directory: str) -> None:
         """Check `directory` when it is due (at once if it is now)."""
@@ -63,7 +64,7 @@ class CheckQueue:
 
     def _loop(self) -> None:
         later: list[tuple[float, str]] = []  # (when to look again, directory)
-        waiting: set[str] = set()  # the directories in `later`
+        waiting = self.waiting  # the directories in `later`
         assert self._pool is not None
         try:
             while True:

@@ -88,6 +88,7 @@ class Metadata:
         self._check_lock = threading.Lock()
         self._checks = CheckQueue(self._check_due, self._list, metadata_ttl)
         stats.gauge("metadata.entries", lambda: len(self._attrs) + len(self._dirs))
+        stats.gauge("metadata.checks_waiting", lambda: len(self._checks.waiting))
 
     def getattr(self, path: str) -> Attr:
         hit = self._attrs.get(path)
@@ -414,6 +415,7 @@ class Metadata:
         the index (_compare)."""
         prefix = directory.rstrip("/") + "/"
         fresh = {e.name: e.attr for e in entries if e.attr is not None}
+        self.stats.incr("metadata.dirs_checked")
         # Only now is the directory checked: until here a lookup found the index (and is
         # in `answered`), never the source (but a file the index does not hold).
         done = threading.Event()
