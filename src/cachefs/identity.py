@@ -64,6 +64,8 @@ class DirEntry(NamedTuple):
 
 # A packed entry: d_type (S_IFMT >> 12), inode number, name length; then the name's bytes
 ENTRY = struct.Struct("<BQH")
+# An entry's attributes kept with a listing: Attr's STAT_FIELDS integers (mode first)
+ATTRS = struct.Struct("<IIIIQqqqQQQ")
 
 
 class Listing(Collection[DirEntry]):
@@ -72,28 +74,85 @@ class Listing(Collection[DirEntry]):
     DirEntry tuples took ~220. The daemon keeps every directory a job lists for
     --metadata-ttl (1,000 of them, 1.28 million entries, for ImageNet), and reads each about
     once an epoch (the kernel keeps what it was given), so they are unpacked as they are
-    read. Without the entries' attributes; `with_attrs`: whether the listing they came in
-    had them (its files' attributes were cached from it)."""
+    read. `with_attrs`: whether the listing they came in had the entries' attributes.
 
-    __slots__ = ("_data", "_count", "with_attrs")
+    With `keep_attrs` (Listing.of), those attributes are kept packed with it too (ATTRS, 72
+    bytes an entry, and the names again between NULs to find one by: `attr_of`): a
+    listing with attributes answers its files' lookups for its TTL. As an `Attr` per path
+    in the attributes cache they had cost ~700 bytes each (the tuple, its integers, the
+    path, the cache's entry), and a first mount lists every directory so before its
+    files are cached: at 200,000 files that was the daemon's high-water mark."""
 
-    def __init__(self, data: bytes, count: int, with_attrs: bool = False):
+    __slots__ = ("_data", "_count", "with_attrs", "_names", "_attrs")
+
+    def __init__(self, data: bytes, count: int, with_attrs: bool = False,
+                 names: bytes | None = None, attrs: bytearray | None = None):
         self._data = data
         self._count = count
         self.with_attrs = with_attrs
+        self._names = names  # b"\0" + the names joined by b"\0" + b"\0" (names hold no NUL)
+        self._attrs = attrs  # ATTRS per entry, in order; a mode of 0: not known (attr_of: None)
 
     @classmethod
-    def of(cls, entries: Iterable[DirEntry]) -> Listing:
+    def of(cls, entries: Iterable[DirEntry], keep_attrs: bool = False) -> Listing:
+        """`entries` packed; `keep_attrs`: with their attributes (unless one has a
+        version token, or does not fit ATTRS: then `has_attrs` is False)."""
         if isinstance(entries, Listing):
             return entries
         parts: list[bytes] = []
-        pack = ENTRY.pack
+        names: list[bytes] = []
+        attrs: list[bytes] | None = [] if keep_attrs else None
+        pack, pack_attr, none = ENTRY.pack, ATTRS.pack, bytes(ATTRS.size)
         with_attrs = False
         for e in entries:
             name = e.name.encode(FS_ENCODING, FS_ERRORS)
             parts += (pack(e.type_mode >> 12, e.ino, len(name)), name)
-            with_attrs = with_attrs or e.attr is not None
-        return cls(b"".join(parts), len(parts) // 2, with_attrs)
+            a = e.attr
+            with_attrs = with_attrs or a is not None
+            if attrs is not None:
+                names.append(name)
+                if a is None:
+                    attrs.append(none)
+                elif a.version:
+                    attrs = None  # (a store's version token: not packed)
+                else:
+                    try:
+                        attrs.append(pack_attr(*a[:STAT_FIELDS]))
+                    except struct.error:
+                        attrs = None
+        if attrs is None:
+            return cls(b"".join(parts), len(parts) // 2, with_attrs)
+        return cls(b"".join(parts), len(parts) // 2, with_attrs, b"\0" + b"\0".join(names) + b"\0",
+                   bytearray(b"".join(attrs)))
+
+    @property
+    def has_attrs(self) -> bool:
+        """Whether its entries' attributes are kept with it (attr_of)."""
+        return self._attrs is not None
+
+    def _index(self, name: bytes) -> int:
+        names = self._names
+        if names is None or not name or b"\0" in name or b"/" in name:
+            return -1
+        pos = names.find(b"\0" + name + b"\0")
+        return -1 if pos < 0 else names.count(b"\0", 0, pos)
+
+    def attr_of(self, name: str) -> Attr | None:
+        """The attributes the listing brought for entry `name`, if kept (None: not
+        kept, not an entry, or forgotten)."""
+        attrs = self._attrs
+        i = self._index(name.encode(FS_ENCODING, FS_ERRORS)) if attrs is not None else -1
+        if i < 0:
+            return None
+        fields = ATTRS.unpack_from(attrs, i * ATTRS.size)  # type: ignore[arg-type]
+        return Attr(*fields) if fields[0] else None
+
+    def forget(self, name: str) -> None:
+        """Entry `name`'s attributes no longer answer (attr_of: None): it changed."""
+        attrs = self._attrs
+        i = self._index(name.encode(FS_ENCODING, FS_ERRORS)) if attrs is not None else -1
+        if attrs is not None and i >= 0:
+            attrs[i * ATTRS.size:(i + 1) * ATTRS.size] = bytes(ATTRS.size)
 
     @classmethod
     def parse(cls, data: bytes, count: int) -> Listing | None:

@@ -35,8 +35,8 @@ from cachefs.source import Source
 from cachefs.stats import Stats
 from cachefs.tiers.multilevel import MultiLevelCache
 from cachefs.ttlcache import TTLCache
+from cachefs.xattrs import XattrCache
 
-_NO_XATTRS: dict[str, bytes | None] = {}  # never written to: no name is in it
 CHECK_WAIT = 30.0  # s: at most, a listing waits for another thread's check of its directory
 CHECK_SAMPLE = 8  # a trusted directory's files whose records say when it is due for its check
 
@@ -59,7 +59,7 @@ class Metadata:
         self._clock = clock
         self._attrs = TTLCache(max_entries, clock)
         self._dirs = TTLCache(max(1, max_entries // 10), clock)
-        self._xattr_cache = TTLCache(max_entries, clock)
+        self._xattrs = XattrCache(source, guard, stats, metadata_ttl, max_entries, clock)
         # --allow-other: modes are cut down to what POSIX ACLs grant (see _with_acl)
         self.check_acls = check_acls
         # Listings and attributes ahead (cachefs/listahead.py), and the attributes
@@ -92,6 +92,12 @@ class Metadata:
 
     def getattr(self, path: str) -> Attr:
         hit = self._attrs.get(path)
+        if hit is None and self._index_answers:  # (a cached file's: the index's, then its listing's)
+            indexed = self._indexed(path)
+            if indexed is not None:
+                return indexed
+        if hit is None:
+            hit = self._listed(path)
         if isinstance(hit, Attr):
             self.stats.incr("metadata.hits")
             if not hit.is_dir and not in_prefetch_thread():
@@ -100,10 +106,6 @@ class Metadata:
         if isinstance(hit, int):
             self.stats.incr("metadata.hits")
             raise FileNotFoundError(hit, "no such file (cached)", path)
-        if self._index_answers:
-            indexed = self._indexed(path)
-            if indexed is not None:
-                return indexed
         if self._listings is not None and self._listings.has(path) and self._kept(path) is not None:
             hit = self._attrs.get(path)  # a directory whose listing was kept, with its attributes
             if isinstance(hit, Attr):
@@ -113,7 +115,7 @@ class Metadata:
         # `ls -l`: the directory being listed with attributes (elsewhere, a lookup waits for
         # no listing: over a store whose stats are round trips that is a wait for all)
         if self._ahead.attrs_wanted() and self._ahead.wait(directory, self._hooks.blocking, attrs=True):
-            hit = self._attrs.get(path)
+            hit = self._known(path)
             if isinstance(hit, Attr):
                 self.stats.incr("metadata.hits")
                 return hit
@@ -126,7 +128,7 @@ class Metadata:
             self._attrs.put(path, errno.ENOENT, self.negative_ttl)
             raise
         except OSError as exc:
-            stale = self._stale(self._attrs, path, exc, self._index_stale)
+            stale = self._stale(self._attrs, path, exc, self._older)
             if isinstance(stale, int):
                 raise FileNotFoundError(stale, "no such file (cached)", path) from None
             return stale  # type: ignore[return-value]
@@ -143,25 +145,29 @@ class Metadata:
         """The attributes of `path` if the daemon knows them (cached, or in the index),
         without asking the source; None otherwise. `count`: as a hit (a kernel's request)."""
         hit = self._attrs.get(path)
-        if isinstance(hit, Attr):
-            if count:
-                self.stats.incr("metadata.hits")
-            return hit
-        if self._index_answers and hit is None:
-            return self._indexed(path)
-        return None
+        if hit is None and self._index_answers:
+            indexed = self._indexed(path)
+            if indexed is not None:
+                return indexed
+        if hit is None:
+            hit = self._listed(path)
+        if isinstance(hit, Attr) and count:
+            self.stats.incr("metadata.hits")
+        return hit if isinstance(hit, Attr) else None
 
     def attr_expiry(self, path: str) -> tuple[Attr, float] | None:
         """The attributes known for `path` and when they are due for a check on the
         source (the clock's time, time.monotonic by default); None if none are known."""
         known = self._attrs.expiry(path)
-        if known is not None and isinstance(known[0], Attr):
-            return known[0], known[1]
-        if known is None and self._index_answers and self._attrs.get(path) is None:
-            indexed = self._index_answer(path)  # (not kept here: see _index_answer)
-            if indexed is not None:
-                return indexed[0], self._clock() + indexed[1]
-        return None
+        if known is not None or self._attrs.get(path) is not None:  # (or a negative entry)
+            return (known[0], known[1]) if known is not None and isinstance(known[0], Attr) else None
+        indexed = self._index_answer(path) if self._index_answers else None  # (not kept here)
+        if indexed is not None:
+            return indexed[0], self._clock() + indexed[1]
+        directory, _, name = path.rpartition("/")
+        listing = self._dirs.expiry(directory or "/")
+        attr = listing[0].attr_of(name) if listing is not None and isinstance(listing[0], Listing) else None
+        return None if attr is None else (attr, listing[1])  # type: ignore[index]
 
     def attrs_of(self, paths: list[str], fetch: bool = False) -> dict[str, Attr]:
         """The attributes of those of `paths` the daemon knows (known_attr); with `fetch`,
@@ -254,6 +260,8 @@ class Metadata:
         except OSError as exc:
             return self._stale(self._dirs, path, exc)  # type: ignore[return-value]
         prefix = path.rstrip("/") + "/"
+        # packed, with the attributes it brought (Listing; not under --allow-other): the reader gets what came
+        listing = Listing.of(entries, keep_attrs=attrs and not check and not self.check_acls)
         if check:
             self._check_dir(path, entries)
         else:
@@ -261,11 +269,10 @@ class Metadata:
             if attrs:
                 for e in entries:
                     if e.attr is not None:
-                        self._learned(prefix + e.name, self._with_acl(prefix + e.name, e.attr))
-        listing = Listing.of(entries)  # kept packed (see Listing); this reader is given what came
+                        self._learned(prefix + e.name, self._with_acl(prefix + e.name, e.attr), listing.has_attrs)
         self._dirs.put(path, listing, self.metadata_ttl)
         if self._listings is not None:  # with its own attributes: a restart's lookup of it asks nothing
-            own = self._attrs.get(path)  # (let go of under many files' lookups: asked again)
+            own = self._known(path)  # (let go of under many files' lookups: asked again)
             self._listings.save(path, listing, attr=own if isinstance(own, Attr) else self._stat_one(path))
         self._ahead.listed(path, entries)  # (as it came: no name unpacked)
         return entries
@@ -278,7 +285,7 @@ class Metadata:
         stale = listing is None or (attrs and self._wants_attrs(path, listing))  # type: ignore[arg-type]
         if stale and not attrs and self._kept(path) is not None:
             stale = False
-        if self._attrs.get(path) is None:
+        if self._known(path) is None:
             self._stat_one(path)
         if stale:
             self._list(path, attrs)
@@ -308,20 +315,20 @@ class Metadata:
             found = {path: future.result() for path, future in futures}
         return {path: attr for path, attr in found.items() if attr is not None}
 
-    def _learned(self, path: str, attr: Attr) -> None:
-        """Attributes just read from the source, into the cache for the TTL. A cached
-        version of the file the index holds that they match is confirmed instead: the index
-        answers its lookups (_index_answer: not kept twice; under --allow-other they are
-        kept too, cut down to the file's ACL as the index's are not); one they do not match
-        is outdated (the index answers no lookup with it)."""
+    def _learned(self, path: str, attr: Attr, listed: bool = False) -> None:
+        """Attributes just read from the source, into the cache for the TTL; not if its
+        listing keeps them (`listed`, or the same there). A cached version of the file the
+        index holds that they match is confirmed instead: the index answers its lookups
+        (_index_answer: not kept twice; under --allow-other they are kept too, cut down to
+        the file's ACL as the index's are not); one they do not match is outdated."""
         known = self._cache.indexed_attr(path) if self._index_answers and not attr.is_dir else None
         same = known is not None and FileId.of(path, known[0]).matches(attr)
         if same:
             self._confirm(path)
-            if not self.check_acls:
-                self._attrs.pop(path)
-                return
-        self._attrs.put(path, attr, self.metadata_ttl)
+        if (same and not self.check_acls) or listed or self._listed(path) == attr:
+            self._attrs.pop(path)  # (an older answer: these are newer)
+        else:
+            self._attrs.put(path, attr, self.metadata_ttl)
         if known is not None and not same:
             self._cache.outdated(path)
 
@@ -504,39 +511,19 @@ class Metadata:
                 return stale
         raise exc
 
-    def _index_stale(self, path: str) -> Attr | None:
-        """The attributes the NVMe tier's index holds for `path`, however old (_stale)."""
+    def _older(self, path: str) -> Attr | None:
+        """What its directory's listing, else the NVMe tier's index, holds for `path`, however old."""
+        listed = self._listed(path, stale=True)
+        if listed is not None:
+            return listed
         known = self._cache.indexed_attr(path) if self._index_answers else None
         return None if known is None else known[0]
 
-    def _xattrs_of(self, path: str) -> dict[str, bytes | None]:
-        """The extended attributes of `path`: name -> value (None until asked for), from one listxattr.
-        Kept for --metadata-ttl: `ls -l` asks for two attributes of every file, and most have none."""
-        known = self._xattr_cache.get(path)
-        if isinstance(known, dict):
-            self.stats.incr("metadata.hits")
-            return known
-        try:
-            names = self._guard.call("listxattr", self.source.listxattr, path)
-        except OSError as exc:
-            if exc.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
-                raise
-            names = []
-        fresh: dict[str, bytes | None] = dict.fromkeys(names) if names else _NO_XATTRS
-        self._xattr_cache.put(path, fresh, self.metadata_ttl)  # most files: one shared "none"
-        return fresh
-
     def getxattr(self, path: str, name: str) -> bytes:
-        known = self._xattrs_of(path)
-        if name not in known:
-            raise OSError(errno.ENODATA, "no such attribute", path)
-        value = known[name]
-        if value is None:
-            value = known[name] = self._guard.call("getxattr", self.source.getxattr, path, name)
-        return value
+        return self._xattrs.get(path, name)
 
     def listxattr(self, path: str) -> list[str]:
-        return list(self._xattrs_of(path))
+        return self._xattrs.list(path)
 
     def _with_acl(self, path: str, attr: Attr) -> Attr:
         """Under --allow-other (`check_acls`): the mode cut down to what the file's POSIX ACL
@@ -550,13 +537,16 @@ class Metadata:
             self._cache.outdated(path)
         self._attrs.pop(path)
         self._dirs.pop(path)
-        self._xattr_cache.pop(path)
+        self._xattrs.pop(path)
+        listing = self._dirs.get_stale(path.rpartition("/")[0] or "/")
+        if isinstance(listing, Listing):  # (its attributes of the file: unknown)
+            listing.forget(path.rpartition("/")[2])
         if self._listings is not None:
             self._listings.drop(path)
 
     def entry_info(self, fid: FileId) -> EntryInfo:
         """What a tier records with a file version: path and attributes (a remount's lookups' answers)."""
-        attr = self._attrs.get_stale(fid.path)
+        attr = self._attrs.get_stale(fid.path) or self._listed(fid.path, stale=True)
         if not isinstance(attr, Attr) or not fid.matches(attr):
             attr = Attr(stat_mod.S_IFREG | 0o444, 1, os.getuid(), os.getgid(), fid.size, fid.mtime_ns,
                         fid.mtime_ns, fid.ctime_ns, (fid.size + 511) // 512, version=fid.version)
@@ -571,7 +561,18 @@ class Metadata:
         return FileId.of(path, attr)
 
     def cached(self, path: str) -> object | None:  # what it holds for `path` (Attr, errno or None), unexpired
-        return self._attrs.get(path)
+        return self._known(path)
+
+    def _known(self, path: str) -> object | None:
+        """The attributes cache's answer for `path` (Attr or errno), else its listing's (Attr)."""
+        hit = self._attrs.get(path)
+        return hit if hit is not None else self._listed(path)
+
+    def _listed(self, path: str, stale: bool = False) -> Attr | None:
+        """`path`'s attributes as its listing brought them, within its TTL (`stale`: however old)."""
+        directory, _, name = path.rpartition("/")
+        listing = (self._dirs.get_stale if stale else self._dirs.get)(directory or "/")
+        return listing.attr_of(name) if isinstance(listing, Listing) else None
 
     def remember(self, path: str, attr: Attr) -> None:  # attributes learnt on the way (a fetch process's visit)
         self._learned(path, attr)
@@ -587,7 +588,7 @@ class Metadata:
     def last_known(self, path: str) -> Attr | None:
         """The attributes last known of `path`, even if expired (or the index's)."""
         attr = self._attrs.get_stale(path)
-        return attr if isinstance(attr, Attr) else self._index_stale(path) if attr is None else None
+        return attr if isinstance(attr, Attr) else self._older(path) if attr is None else None
 
     def stop_checking(self, wait: float = 0.0) -> None:  # the restart check's thread (first, at shutdown)
         self._checks.stop(wait)

@@ -52,6 +52,8 @@ class TTLCache:
         return hit[1], hit[0]
 
     def pop(self, key: str) -> None:
+        if key not in self._data:  # (no lock to take for what is not there)
+            return
         with self._lock:
             if self._data.pop(key, None) is not None:
                 self._shrink()
