@@ -41,6 +41,15 @@ def test_a_listing_keeps_every_entrys_attributes_and_finds_each_by_its_whole_nam
     assert listing.attr_of("b") == entries[1].attr
 
 
+@pytest.mark.parametrize("count", [1, 1_300, 20_000])
+def test_every_entry_of_a_big_directory_is_found_by_its_name_and_no_other(count):
+    names = [f"n01440764_{i:07d}.JPEG" for i in range(count)]
+    listing = Listing.of((DirEntry(n, stat.S_IFREG, i, _attr(i)) for i, n in enumerate(names)), keep_attrs=True)
+    assert all(listing.attr_of(n) == _attr(i) for i, n in enumerate(names))
+    for absent in ("n01440764_", names[-1] + "x", names[-1][:-1], "x" + names[0], f"n01440764_{count:07d}.JPEG"):
+        assert listing.attr_of(absent) is None
+
+
 @pytest.mark.parametrize("odd", [{"version": "etag-1"}, {"nlink": 2**40}])
 def test_attributes_that_do_not_pack_are_not_kept_with_the_listing(odd):
     entries = [DirEntry("f", stat.S_IFREG, 1, _attr(1, **odd)), DirEntry("g", stat.S_IFREG, 2, _attr(2))]
