@@ -91,13 +91,9 @@ class Metadata:
         stats.gauge("metadata.checks_waiting", lambda: len(self._checks.waiting))
 
     def getattr(self, path: str) -> Attr:
-        hit = self._attrs.get(path)
-        if hit is None and self._index_answers:  # (a cached file's: the index's, then its listing's)
-            indexed = self._indexed(path)
-            if indexed is not None:
-                return indexed
-        if hit is None:
-            hit = self._listed(path)
+        hit, indexed = self._answer(path)
+        if indexed:
+            return hit  # type: ignore[return-value]
         if isinstance(hit, Attr):
             self.stats.incr("metadata.hits")
             if not hit.is_dir and not in_prefetch_thread():
@@ -144,14 +140,8 @@ class Metadata:
     def known_attr(self, path: str, count: bool = True) -> Attr | None:
         """The attributes of `path` if the daemon knows them (cached, or in the index),
         without asking the source; None otherwise. `count`: as a hit (a kernel's request)."""
-        hit = self._attrs.get(path)
-        if hit is None and self._index_answers:
-            indexed = self._indexed(path)
-            if indexed is not None:
-                return indexed
-        if hit is None:
-            hit = self._listed(path)
-        if isinstance(hit, Attr) and count:
+        hit, indexed = self._answer(path)
+        if isinstance(hit, Attr) and count and not indexed:
             self.stats.incr("metadata.hits")
         return hit if isinstance(hit, Attr) else None
 
@@ -562,6 +552,16 @@ class Metadata:
 
     def cached(self, path: str) -> object | None:  # what it holds for `path` (Attr, errno or None), unexpired
         return self._known(path)
+
+    def _answer(self, path: str) -> tuple[object | None, bool]:
+        """What answers `path`'s lookup without the source: the attributes cache's (Attr or
+        errno), else a cached file's index record, else its listing's; and whether the index did."""
+        hit = self._attrs.get(path)
+        if hit is None and self._index_answers:
+            indexed = self._indexed(path)
+            if indexed is not None:
+                return indexed, True
+        return (hit if hit is not None else self._listed(path)), False
 
     def _known(self, path: str) -> object | None:
         """The attributes cache's answer for `path` (Attr or errno), else its listing's (Attr)."""
