@@ -41,6 +41,23 @@ def test_a_listing_keeps_every_entrys_attributes_and_finds_each_by_its_whole_nam
     assert listing.attr_of("b") == entries[1].attr
 
 
+def test_a_listing_lets_its_attributes_go_once_none_of_its_entries_answers():
+    entries = [DirEntry(n, stat.S_IFREG, i, _attr(i)) for i, n in enumerate(["a", "b", "c"])]
+    entries.append(DirEntry("nostat", stat.S_IFREG, 9, None))  # (none kept: not counted)
+    listing = Listing.of(entries, keep_attrs=True)
+    for name in ("a", "a", "zz", "nostat", "b"):  # twice, not an entry, none kept: not counted again
+        listing.forget(name)
+    assert listing.has_attrs and listing.attr_of("c") == entries[2].attr
+    listing.forget("c")
+    assert not listing.has_attrs and listing.with_attrs and listing.attr_of("c") is None
+    assert list(listing) == [e._replace(attr=None) for e in entries]  # its names stay
+    listing.forget("c")
+    with_dir = Listing.of([entries[0], DirEntry("sub", stat.S_IFDIR, 5, _attr(5, mode=stat.S_IFDIR | 0o755))],
+                          keep_attrs=True)
+    with_dir.forget("a")  # a directory's attributes still answer (the index holds files only)
+    assert with_dir.has_attrs and with_dir.attr_of("sub").is_dir
+
+
 @pytest.mark.parametrize("count", [1, 1_300, 20_000])
 def test_every_entry_of_a_big_directory_is_found_by_its_name_and_no_other(count):
     names = [f"n01440764_{i:07d}.JPEG" for i in range(count)]
@@ -115,4 +132,47 @@ def test_under_allow_other_a_listings_attributes_are_cut_down_per_file_not_kept_
     assert listing.with_attrs and not listing.has_attrs
     stats = source.calls["stat"]
     assert core.getattr("/d/f03").size == 103 and source.calls["stat"] == stats
+    core.close()
+
+
+def test_a_directory_whose_files_are_all_stored_keeps_no_attributes_with_its_listing(tmp_path):
+    """Once the NVMe tier stores a file its lookups are the index's: the listing's copy of
+    its attributes goes, and once every file's has, the listing keeps none (90 of its ~123
+    bytes an entry, for its TTL). Lookups still ask the source nothing; a file the tier
+    then lets go of is asked for (one stat), not made up."""
+    source, core = _core(tmp_path)
+    core.getattr("/d/f00")
+    wait_listed(core)
+    listing = core.metadata.known_listing("/d", kept=False)
+    assert listing.has_attrs
+    for i in range(49):
+        assert core.prefetch_small(f"/d/f{i:02d}")[0] == "fetched"
+    assert listing.has_attrs and listing.attr_of("f49") == source.stat("/d/f49")
+    assert listing.attr_of("f10") is None  # (the index's now)
+    assert core.prefetch_small("/d/f49")[0] == "fetched"
+    assert not listing.has_attrs
+    expected = {f"/d/f{i:02d}": source.stat(f"/d/f{i:02d}") for i in range(50)}
+    stats = source.calls["stat"]
+    for path, attr in expected.items():
+        assert core.getattr(path) == attr
+    assert source.calls["stat"] == stats
+    assert core.metadata.entry_info(core.metadata.file_id("/d/f07")).attr == expected["/d/f07"]
+    core.metadata.invalidate("/d/f07")  # (as a change found: neither the index nor the listing answers)
+    assert core.getattr("/d/f07") == expected["/d/f07"] and source.calls["stat"] == stats + 1
+    core.close()
+
+
+def test_a_listing_of_files_already_stored_keeps_none_of_their_attributes(tmp_path):
+    source, core = _core(tmp_path)
+    core.getattr("/d/f00")
+    wait_listed(core)
+    for i in range(50):
+        core.prefetch_small(f"/d/f{i:02d}")
+    core.metadata._dirs.pop("/d")  # (its TTL over: listed again, with attributes)
+    core.metadata._list("/d", attrs=True)
+    listing = core.metadata.known_listing("/d", kept=False)
+    assert listing.with_attrs and not listing.has_attrs
+    expected = source.stat("/d/f03")
+    stats = source.calls["stat"]
+    assert core.getattr("/d/f03") == expected and source.calls["stat"] == stats
     core.close()

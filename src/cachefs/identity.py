@@ -87,17 +87,18 @@ class Listing(Collection[DirEntry]):
     (A `find` of the name in the packed names had taken 10-19 us at 1,300 ImageNet names,
     which share their first ten characters; the table, about 1.)"""
 
-    __slots__ = ("_data", "_count", "with_attrs", "_offsets", "_table", "_attrs")
+    __slots__ = ("_data", "_count", "with_attrs", "_offsets", "_table", "_attrs", "_left")
 
     def __init__(self, data: bytes, count: int, with_attrs: bool = False,
                  offsets: array[int] | None = None, table: array[int] | None = None,
-                 attrs: bytearray | None = None):
+                 attrs: bytearray | None = None, left: int = 0):
         self._data = data
         self._count = count
         self.with_attrs = with_attrs
         self._offsets = offsets  # where each entry's name starts in `data`
         self._table = table  # hash(name) -> entry number + 1 (0: empty), probed linearly
         self._attrs = attrs  # ATTRS per entry, in order; a mode of 0: not known (attr_of: None)
+        self._left = left  # the entries with a mode: once none, `attrs` go (forget)
 
     @classmethod
     def of(cls, entries: Iterable[DirEntry], keep_attrs: bool = False) -> Listing:
@@ -109,7 +110,7 @@ class Listing(Collection[DirEntry]):
         names: list[bytes] = []
         attrs: list[bytes] | None = [] if keep_attrs else None
         pack, pack_attr, none = ENTRY.pack, ATTRS.pack, bytes(ATTRS.size)
-        with_attrs = False
+        with_attrs, left = False, 0
         for e in entries:
             name = e.name.encode(FS_ENCODING, FS_ERRORS)
             parts += (pack(e.type_mode >> 12, e.ino, len(name)), name)
@@ -126,6 +127,7 @@ class Listing(Collection[DirEntry]):
                         attrs.append(pack_attr(*a[:STAT_FIELDS]))
                     except struct.error:
                         attrs = None
+                    left += a[0] != 0
         data = b"".join(parts)
         if attrs is None:
             return cls(data, len(parts) // 2, with_attrs)
@@ -140,7 +142,7 @@ class Listing(Collection[DirEntry]):
             while table[h]:
                 h = (h + 1) & mask
             table[h] = i + 1
-        return cls(data, len(names), with_attrs, offsets, table, bytearray(b"".join(attrs)))
+        return cls(data, len(names), with_attrs, offsets, table, bytearray(b"".join(attrs)), left)
 
     @property
     def has_attrs(self) -> bool:
@@ -174,11 +176,17 @@ class Listing(Collection[DirEntry]):
         return Attr(*fields) if fields[0] else None
 
     def forget(self, name: str) -> None:
-        """Entry `name`'s attributes no longer answer (attr_of: None): it changed."""
+        """Entry `name`'s attributes no longer answer (attr_of: None): it changed, or the
+        NVMe tier's index answers it from now. Once no entry's do, the listing lets go of
+        them all (`has_attrs`: False; 90 of its ~123 bytes an entry)."""
         attrs = self._attrs
         i = self._index(name.encode(FS_ENCODING, FS_ERRORS)) if attrs is not None else -1
-        if attrs is not None and i >= 0:
-            attrs[i * ATTRS.size:(i + 1) * ATTRS.size] = bytes(ATTRS.size)
+        if attrs is None or i < 0 or not ATTRS.unpack_from(attrs, i * ATTRS.size)[0]:
+            return
+        attrs[i * ATTRS.size:(i + 1) * ATTRS.size] = bytes(ATTRS.size)
+        self._left -= 1  # (a decrement lost to a race keeps them: memory, not an answer)
+        if self._left <= 0:
+            self._attrs = self._table = self._offsets = None
 
     @classmethod
     def parse(cls, data: bytes, count: int) -> Listing | None:

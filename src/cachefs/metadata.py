@@ -71,17 +71,13 @@ class Metadata:
                                 lambda path: self._list(path, attrs=True), attrs_every=metadata_ttl)
         self._listings = listings  # listings kept on the cache disk (cachefs/listings.py)
         self._kept_dirs: set[str] = set()  # directories listed from them in this run
-        # After a restart, the NVMe tier knows the attributes each cached file was stored
-        # under. Lookups are answered from them (within --metadata-ttl of when they were
-        # last known good), and every directory is checked once, in bulk: its first listing
-        # brings each entry's attributes (one request, as NFS's READDIRPLUS), and a file
-        # found changed is invalidated as any change on the source is. A lookup answered
-        # from the index before its directory was listed has the directory checked in the
-        # background. So a restarted job's first epoch costs a request per directory, not
-        # one per file.
-        self._index_answers = cache.has_disk  # cached files' attributes answer lookups (_indexed)
+        # Cached files' lookups are answered from the attributes the NVMe tier stored them
+        # under, within --metadata-ttl of when last known good; after a restart each
+        # directory is checked once, in bulk, by its first listing with attributes (or in
+        # the background, after a lookup answered so): a request per directory, not per file.
+        self._index_answers = cache.has_disk  # cached files' attributes answer lookups (_index_answer)
         self._index_checks = cache.remembers  # entries from before this start: directories checked
-        self._checked_dirs: dict[str, float] = {}  # dir -> wall time of its check (see _indexed)
+        self._checked_dirs: dict[str, float] = {}  # dir -> wall time of its check (see _index_answer)
         self._answered: dict[str, set[str]] = {}  # dir -> names answered from the index, unchecked
         self._rows_dirs: set[str] = set()  # dirs whose files the serving processes answer from the index
         self._checking: dict[str, threading.Event] = {}  # dir -> set when its check has compared
@@ -111,7 +107,7 @@ class Metadata:
         # `ls -l`: the directory being listed with attributes (elsewhere, a lookup waits for
         # no listing: over a store whose stats are round trips that is a wait for all)
         if self._ahead.attrs_wanted() and self._ahead.wait(directory, self._hooks.blocking, attrs=True):
-            hit = self._known(path)
+            hit = self.cached(path)
             if isinstance(hit, Attr):
                 self.stats.incr("metadata.hits")
                 return hit
@@ -154,10 +150,9 @@ class Metadata:
         indexed = self._index_answer(path) if self._index_answers else None  # (not kept here)
         if indexed is not None:
             return indexed[0], self._clock() + indexed[1]
-        directory, _, name = path.rpartition("/")
-        listing = self._dirs.expiry(directory or "/")
-        attr = listing[0].attr_of(name) if listing is not None and isinstance(listing[0], Listing) else None
-        return None if attr is None else (attr, listing[1])  # type: ignore[index]
+        attr = self._listed(path)  # (due with its listing)
+        listing = self._dirs.expiry(path.rpartition("/")[0] or "/") if attr is not None else None
+        return None if listing is None else (attr, listing[1])  # type: ignore[return-value]
 
     def attrs_of(self, paths: list[str], fetch: bool = False) -> dict[str, Attr]:
         """The attributes of those of `paths` the daemon knows (known_attr); with `fetch`,
@@ -257,12 +252,13 @@ class Metadata:
         else:
             self._wait_checked(path)
             if attrs:
-                for e in entries:
-                    if e.attr is not None:
-                        self._learned(prefix + e.name, self._with_acl(prefix + e.name, e.attr), listing.has_attrs)
+                for e in entries:  # (a file the index answers needs no attributes in the listing)
+                    if (e.attr is not None and self._learned(prefix + e.name, self._with_acl(prefix + e.name, e.attr),
+                                                             listing.has_attrs) and listing.has_attrs):
+                        listing.forget(e.name)
         self._dirs.put(path, listing, self.metadata_ttl)
         if self._listings is not None:  # with its own attributes: a restart's lookup of it asks nothing
-            own = self._known(path)  # (let go of under many files' lookups: asked again)
+            own = self.cached(path)  # (let go of under many files' lookups: asked again)
             self._listings.save(path, listing, attr=own if isinstance(own, Attr) else self._stat_one(path))
         self._ahead.listed(path, entries)  # (as it came: no name unpacked)
         return entries
@@ -275,7 +271,7 @@ class Metadata:
         stale = listing is None or (attrs and self._wants_attrs(path, listing))  # type: ignore[arg-type]
         if stale and not attrs and self._kept(path) is not None:
             stale = False
-        if self._known(path) is None:
+        if self.cached(path) is None:
             self._stat_one(path)
         if stale:
             self._list(path, attrs)
@@ -305,12 +301,13 @@ class Metadata:
             found = {path: future.result() for path, future in futures}
         return {path: attr for path, attr in found.items() if attr is not None}
 
-    def _learned(self, path: str, attr: Attr, listed: bool = False) -> None:
+    def _learned(self, path: str, attr: Attr, listed: bool = False) -> bool:
         """Attributes just read from the source, into the cache for the TTL; not if its
         listing keeps them (`listed`, or the same there). A cached version of the file the
         index holds that they match is confirmed instead: the index answers its lookups
         (_index_answer: not kept twice; under --allow-other they are kept too, cut down to
-        the file's ACL as the index's are not); one they do not match is outdated."""
+        the file's ACL as the index's are not); one they do not match is outdated. Whether
+        the index answers them."""
         known = self._cache.indexed_attr(path) if self._index_answers and not attr.is_dir else None
         same = known is not None and FileId.of(path, known[0]).matches(attr)
         if same:
@@ -321,6 +318,7 @@ class Metadata:
             self._attrs.put(path, attr, self.metadata_ttl)
         if known is not None and not same:
             self._cache.outdated(path)
+        return same and not self.check_acls
 
     def _confirm(self, path: str, fresh: Attr | None = None) -> bytes | None:
         """The source has the newest cached version of `path` (if its attributes match
@@ -332,11 +330,6 @@ class Metadata:
         found = self._cache.confirm(path, same)
         if found is not None and self._hooks.on_confirmed is not None:
             self._hooks.on_confirmed(*found)
-        return None if found is None else found[0]
-
-    def _indexed(self, path: str) -> Attr | None:
-        """A lookup answered from the NVMe tier's index (see __init__), or None."""
-        found = self._index_answer(path)
         return None if found is None else found[0]
 
     def _index_answer(self, path: str) -> tuple[Attr, float] | None:
@@ -399,7 +392,7 @@ class Metadata:
 
     def rows_serving(self, directory: str) -> None:
         """The serving processes answer lookups in `directory` from the NVMe tier's entry
-        table (its table nodes: cachefs/fuse/serve.py), as _indexed answers them here: the
+        table (its table nodes: cachefs/fuse/serve.py), as _index_answer answers them here: the
         directory's check is queued as the first such answer queues it, and every name of
         it counts as answered (the kernel may hold any of them)."""
         with self._check_lock:
@@ -528,15 +521,15 @@ class Metadata:
         self._attrs.pop(path)
         self._dirs.pop(path)
         self._xattrs.pop(path)
-        listing = self._dirs.get_stale(path.rpartition("/")[0] or "/")
-        if isinstance(listing, Listing):  # (its attributes of the file: unknown)
-            listing.forget(path.rpartition("/")[2])
+        listing, name = self._listing_of(path)
+        if listing is not None:  # (its attributes of the file: unknown)
+            listing.forget(name)
         if self._listings is not None:
             self._listings.drop(path)
 
     def entry_info(self, fid: FileId) -> EntryInfo:
         """What a tier records with a file version: path and attributes (a remount's lookups' answers)."""
-        attr = self._attrs.get_stale(fid.path) or self._listed(fid.path, stale=True)
+        attr = self._attrs.get_stale(fid.path) or self._older(fid.path)
         if not isinstance(attr, Attr) or not fid.matches(attr):
             attr = Attr(stat_mod.S_IFREG | 0o444, 1, os.getuid(), os.getgid(), fid.size, fid.mtime_ns,
                         fid.mtime_ns, fid.ctime_ns, (fid.size + 511) // 512, version=fid.version)
@@ -550,40 +543,47 @@ class Metadata:
             raise OSError(errno.EINVAL, "not a regular file", path)
         return FileId.of(path, attr)
 
-    def cached(self, path: str) -> object | None:  # what it holds for `path` (Attr, errno or None), unexpired
-        return self._known(path)
-
     def _answer(self, path: str) -> tuple[object | None, bool]:
         """What answers `path`'s lookup without the source: the attributes cache's (Attr or
         errno), else a cached file's index record, else its listing's; and whether the index did."""
         hit = self._attrs.get(path)
         if hit is None and self._index_answers:
-            indexed = self._indexed(path)
+            indexed = self._index_answer(path)
             if indexed is not None:
-                return indexed, True
+                return indexed[0], True
         return (hit if hit is not None else self._listed(path)), False
 
-    def _known(self, path: str) -> object | None:
-        """The attributes cache's answer for `path` (Attr or errno), else its listing's (Attr)."""
+    def cached(self, path: str) -> object | None:
+        """The attributes cache's answer for `path` (Attr or errno), else its listing's (Attr), unexpired."""
         hit = self._attrs.get(path)
         return hit if hit is not None else self._listed(path)
 
     def _listed(self, path: str, stale: bool = False) -> Attr | None:
         """`path`'s attributes as its listing brought them, within its TTL (`stale`: however old)."""
+        listing, name = self._listing_of(path, stale)
+        return None if listing is None else listing.attr_of(name)
+
+    def _listing_of(self, path: str, stale: bool = True) -> tuple[Listing | None, str]:
+        """The listing of `path`'s directory if it keeps its entries' attributes (within its
+        TTL, or `stale`: however old), and `path`'s name in it."""
         directory, _, name = path.rpartition("/")
         listing = (self._dirs.get_stale if stale else self._dirs.get)(directory or "/")
-        return listing.attr_of(name) if isinstance(listing, Listing) else None
+        return (listing if isinstance(listing, Listing) and listing.has_attrs else None), name
 
     def remember(self, path: str, attr: Attr) -> None:  # attributes learnt on the way (a fetch process's visit)
         self._learned(path, attr)
 
     def stored(self, path: str, attr: Attr) -> None:
         """A fill just cached `path` on the NVMe tier with `attr`: from now its lookups are
-        the index's (_index_answer), and the attributes cache's copy goes."""
+        the index's (_index_answer), and the attributes cache's copy goes, and its
+        listing's (Listing.forget: a listing whose files are all cached keeps none)."""
         if self._index_answers:
             known = self._cache.indexed_attr(path)
             if known is not None and known[0] == attr:
                 self._attrs.discard(path, attr)
+                listing, name = self._listing_of(path)
+                if listing is not None:
+                    listing.forget(name)
 
     def last_known(self, path: str) -> Attr | None:
         """The attributes last known of `path`, even if expired (or the index's)."""
