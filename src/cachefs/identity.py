@@ -108,9 +108,10 @@ class Listing(Collection[DirEntry]):
             return entries
         parts: list[bytes] = []
         names: list[bytes] = []
+        offsets: array[int] = array("I")  # where each name starts in the packed entries
         attrs: list[bytes] | None = [] if keep_attrs else None
-        pack, pack_attr, none = ENTRY.pack, ATTRS.pack, bytes(ATTRS.size)
-        with_attrs, left = False, 0
+        pack, pack_attr, none, size = ENTRY.pack, ATTRS.pack, bytes(ATTRS.size), ENTRY.size
+        with_attrs, left, pos = False, 0, 0
         for e in entries:
             name = e.name.encode(FS_ENCODING, FS_ERRORS)
             parts += (pack(e.type_mode >> 12, e.ino, len(name)), name)
@@ -118,6 +119,8 @@ class Listing(Collection[DirEntry]):
             with_attrs = with_attrs or a is not None
             if attrs is not None:
                 names.append(name)
+                offsets.append(pos + size)
+                pos += size + len(name)
                 if a is None:
                     attrs.append(none)
                 elif a.version:
@@ -131,10 +134,6 @@ class Listing(Collection[DirEntry]):
         data = b"".join(parts)
         if attrs is None:
             return cls(data, len(parts) // 2, with_attrs)
-        offsets, pos = array("I"), 0
-        for name in names:
-            offsets.append(pos + ENTRY.size)
-            pos += ENTRY.size + len(name)
         mask = (1 << max(3, (2 * len(names)).bit_length())) - 1
         table = array("I", bytes(4 * (mask + 1)))
         for i, name in enumerate(names):
@@ -149,11 +148,12 @@ class Listing(Collection[DirEntry]):
         """Whether its entries' attributes are kept with it (attr_of)."""
         return self._attrs is not None
 
-    def _index(self, name: bytes) -> int:
-        """Entry `name`'s number, or -1."""
+    def _index(self, text: str) -> int:
+        """Entry `text`'s number, or -1."""
         table, offsets, data = self._table, self._offsets, self._data
         if table is None or offsets is None:
             return -1
+        name = text.encode(FS_ENCODING, FS_ERRORS)
         mask, n = len(table) - 1, len(name)
         h = hash(name) & mask
         while True:
@@ -169,7 +169,7 @@ class Listing(Collection[DirEntry]):
         """The attributes the listing brought for entry `name`, if kept (None: not
         kept, not an entry, or forgotten)."""
         attrs = self._attrs
-        i = self._index(name.encode(FS_ENCODING, FS_ERRORS)) if attrs is not None else -1
+        i = self._index(name) if attrs is not None else -1
         if i < 0:
             return None
         fields = ATTRS.unpack_from(attrs, i * ATTRS.size)  # type: ignore[arg-type]
@@ -180,7 +180,7 @@ class Listing(Collection[DirEntry]):
         NVMe tier's index answers it from now. Once no entry's do, the listing lets go of
         them all (`has_attrs`: False; 90 of its ~123 bytes an entry)."""
         attrs = self._attrs
-        i = self._index(name.encode(FS_ENCODING, FS_ERRORS)) if attrs is not None else -1
+        i = self._index(name) if attrs is not None else -1
         if attrs is None or i < 0 or not ATTRS.unpack_from(attrs, i * ATTRS.size)[0]:
             return
         attrs[i * ATTRS.size:(i + 1) * ATTRS.size] = bytes(ATTRS.size)
