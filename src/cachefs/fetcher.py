@@ -261,8 +261,8 @@ class _Worker:
                 return
 
 
-# The ids without the daemon's memo of the last 65,536 (cachefs.blocks.entry_id): a fetch
-# process computes each file's id once, and the memo had held 40 MB at 200,000 files
+# The ids without the daemon's memo (cachefs.blocks.entry_id): a fetch process computes
+# each file's id once, and the memo (of 65,536 then) had held 40 MB at 200,000 files
 # (its keys' ids, paths and attributes), never hit.
 _entry_id = entry_id.__wrapped__
 
