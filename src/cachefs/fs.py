@@ -27,6 +27,7 @@ import queue
 import stat as stat_mod
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -130,7 +131,7 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         self._handles: dict[int, FileId] = {}
         self._fetched: dict[int, bytes] = {}  # handle -> the file's bytes, fetched at open, no tier kept
         self._next_fh = itertools.count(1)
-        self._changed: queue.Queue[str] = queue.Queue()
+        self._changed: queue.Queue[str | array] = queue.Queue()  # paths changed, nodes' names to drop
         self._invalidator: threading.Thread | None = None
         self._errors = ErrorLog()
         self._fd_warned = -1e18
@@ -156,6 +157,7 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         self._ahead_stopped = False
         self._init_table_nodes()
         core.hooks.connect(on_source_changed=self._source_changed, on_confirmed=self._row_confirmed)
+        core.stats.gauge("fuse.nodes", lambda: len(self.nodes))
 
     def _out_of_descriptors(self, exc: OSError) -> None:
         given = trim_descriptors()
@@ -302,15 +304,16 @@ class CachefsFS(Published, TableNodeOwner, Operations):
         self._changed.put(path)
 
     def _invalidate_loop(self) -> None:
-        """Tell the kernel to drop the names of changed files. Not done in a request thread:
-        an invalidation from inside a request about the same directory can deadlock on its
-        locks."""
+        """Tell the kernel to drop the names of changed files (and a checkpoint's, _drop_names).
+        Not done in a request thread: an invalidation from inside a request about the same
+        directory can deadlock on its locks."""
         while True:
-            paths = [self._changed.get()]
+            items = [self._changed.get()]
             while not self._changed.empty():  # many changed at once: one wait for all of them
-                paths.append(self._changed.get())
-            if "" in paths:
+                items.append(self._changed.get())
+            if "" in items:
                 return
+            paths = [item for item in items if isinstance(item, str)]
             for path in paths:
                 self._unname(path)  # before the kernel drops the name: its next lookup comes here,
             if self._table is not None and self.session is not None:  # and no answer from before is on its way
@@ -321,6 +324,8 @@ class CachefsFS(Published, TableNodeOwner, Operations):
                 if parent is not None and self.session is not None:
                     self.session.notify_inval_entry(parent, os.fsencode(name))
                 log.info("%s changed on the source; opens from now on get the new version", path)
+            for nodeids in (item for item in items if not isinstance(item, str)):
+                self._drop_names(nodeids)  # (a checkpoint's: TableNodeOwner._unname_tabled)
 
     def _fid(self, nodeid: int, path: str) -> FileId:
         """The file version a node stands for (Nodes), or the source's current one."""

@@ -443,6 +443,11 @@ class Nodes:
     def id_of(self, path: str) -> int | None:
         return self._ids.get(path)
 
+    def files(self) -> array:
+        """The ids of the nodes that stand for a file version (regular files)."""
+        with self._lock:
+            return array("Q", self._versions)
+
     def unversioned(self) -> list[tuple[int, str]]:
         """(node id, path) of each node that stands for no file version: directories (and
         links and the like)."""

@@ -62,6 +62,7 @@ COUNTERS: tuple[str, ...] = (
     "serve.forwarded",
     "serve.published_ahead", "serve.table_registrations", "serve.table_nodes_taken", "serve.table_backings_closed",
     "serve.checkpoints", "serve.checkpoint_backings_closed", "serve.names_tabled",
+    "serve.names_dropped",
     "hint.sessions_opened", "hint.paths", "hint.from_ram", "hint.from_disk", "hint.from_source", "hint.bytes",
     "hint.from_shared", "hint.used", "hint.expired", "hint.skipped", "hint.window_full", "hint.errors",
     "hint.left_on_disk", "hint.passed",
@@ -73,7 +74,7 @@ GAUGES: tuple[str, ...] = (
     "source.down", "source.background_limit", "metadata.entries", "metadata.checks_waiting", "prefetch.queued",
     "prefetch.unused",
     "hint.sessions", "hint.pinned_bytes", "hint.queued", "opens.backing_files", "opens.backing_files_ram",
-    "serve.processes", "serve.published", "serve.names",
+    "serve.processes", "serve.published", "serve.names", "fuse.nodes",
     "shared.servers_down", "shared.pending_bytes", "shared.servers",
 )
 HISTOGRAMS: tuple[str, ...] = tuple(f"source.{op}" for op in SOURCE_OPS)

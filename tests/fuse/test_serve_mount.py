@@ -507,6 +507,13 @@ def test_the_first_mount_past_the_backing_limit_hands_its_files_to_the_serving_p
     assert s["disk"]["cooled_files"] == len(data) and s["disk"]["files"] == len(data)
     assert s["disk"]["files_in_memory"] < len(data) // 4, s["disk"]  # (f00, if the daemon opened it since)
     assert s["serve"]["names_tabled"] >= limit // 2 and s["serve"]["names"] == 0, s["serve"]
+    # and the kernel is told to drop its names of them: it forgets the daemon's nodes for
+    # them without a page-cache drop (before, they stayed until memory pressure or a drop)
+    deadline = time.monotonic() + 10
+    while (s := stats(mp))["fuse"]["nodes"] > 3:  # the root, the directory (and f00, if open)
+        assert time.monotonic() < deadline, s["fuse"]
+        time.sleep(0.2)
+    assert s["serve"]["names_dropped"] >= len(data) - 1, s["serve"]
     for seed in (2, 3):
         with open("/proc/sys/vm/drop_caches", "w") as f:  # every file looked up and opened again
             f.write("3\n")
