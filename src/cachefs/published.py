@@ -375,21 +375,16 @@ class Published:
         while not table.quiesce(self.session.servers_alive):
             waited += 5  # a serving process stopped mid-request: nothing is safe to fold yet
             log.warning("a serving process has not finished a request for %d s", waited)
-        for nodeid, state, forgotten in taken:
-            try:
-                self._take_back(table, nodeid, state, forgotten)
-            except Exception:
-                log.exception("taking node %d back from the serving processes failed", nodeid)
-        for nodeid, parent in names:
-            try:
-                self._name_taken(table, nodeid, parent)
-            except Exception:
-                log.exception("taking the name of node %d back from the serving processes failed", nodeid)
-        for nodeid, state, named in rows:
-            try:
-                self._row_taken(table, nodeid, state, named)
-            except Exception:
-                log.exception("taking table node %d from the serving processes failed", nodeid)
+        work: tuple[tuple[list, Callable[..., None], str], ...] = (
+            (taken, self._take_back, "taking node %d back from the serving processes failed"),
+            (names, self._name_taken, "taking the name of node %d back from the serving processes failed"),
+            (rows, self._row_taken, "taking table node %d from the serving processes failed"))
+        for items, call, failed in work:
+            for item in items:
+                try:
+                    call(table, *item)
+                except Exception:
+                    log.exception(failed, item[0])
         try:
             self._rows_closed(closing)
         except Exception:
