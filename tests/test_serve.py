@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import io
 import os
 import random
@@ -1149,32 +1150,33 @@ def test_a_checkpoint_waits_for_an_epoch_that_reads_what_is_cached():
     CHECKPOINT_MIN_FILES), nor while the job pauses (nothing opened), nor below the limit;
     and again once it cached many more."""
     held, limit = 60_000, 16_384
-    assert checkpoint_due(limit, held, grown=0, opened=500)
-    assert checkpoint_due(limit, held, grown=held // 1000, opened=1)      # a trickle: read-ahead's last
-    assert not checkpoint_due(limit, held, grown=held // 1000 + 1, opened=500)  # a cold epoch fetching
-    assert not checkpoint_due(limit, held, grown=0, opened=0)             # a pause: nothing opened
-    assert not checkpoint_due(limit, limit, grown=0, opened=500)          # all registered: nothing to hand over
-    assert not checkpoint_due(limit, held, grown=held + 1, opened=500)    # the first look
+    due = functools.partial(checkpoint_due, growing_from=100_000)  # (a tier below the memory threshold)
+    assert due(limit, held, grown=0, opened=500)
+    assert due(limit, held, grown=held // 1000, opened=1)      # a trickle: read-ahead's last
+    assert not due(limit, held, grown=held // 1000 + 1, opened=500)  # a cold epoch fetching
+    assert not due(limit, held, grown=0, opened=0)             # a pause: nothing opened
+    assert not due(limit, limit, grown=0, opened=500)          # all registered: nothing to hand over
+    assert not due(limit, held, grown=held + 1, opened=500)    # the first look
     # the next generation, on the same terms, once the files stored since the last are
     # more than an eighth of its
-    assert checkpoint_due(limit, held, grown=0, opened=500, tabled=80_000, since=10_001)
-    assert not checkpoint_due(limit, held, grown=0, opened=500, tabled=80_000, since=10_000)
-    assert not checkpoint_due(limit, held, grown=held // 100, opened=500, tabled=80_000, since=20_000)
-    assert not checkpoint_due(limit, held, grown=0, opened=0, tabled=80_000, since=20_000)
+    assert due(limit, held, grown=0, opened=500, tabled=80_000, since=10_001)
+    assert not due(limit, held, grown=0, opened=500, tabled=80_000, since=10_000)
+    assert not due(limit, held, grown=held // 100, opened=500, tabled=80_000, since=20_000)
+    assert not due(limit, held, grown=0, opened=0, tabled=80_000, since=20_000)
 
 
-def test_a_growing_tier_past_the_memory_threshold_is_checkpointed_at_each_quarter_more():
+def test_a_growing_tier_past_the_memory_threshold_is_checkpointed_at_each_eighth_more():
     """While a cold epoch still fetches, a tier past CHECKPOINT_MIN_FILES is checkpointed
     for the daemon's memory, then again each time the files stored since are more than a
     CHECKPOINT_GROWING-th of the table's: at the epoch's end the daemon holds at most the
-    last fifth in memory."""
+    last ninth in memory."""
     first, limit = CHECKPOINT_MIN_FILES, 16_384
-    assert CHECKPOINT_GROWING == 4
+    assert CHECKPOINT_GROWING == 8
     assert not checkpoint_due(limit, first, grown=5_000, opened=500)            # not past it yet
     assert checkpoint_due(limit, first + 1, grown=5_000, opened=500)
     assert checkpoint_due(1 << 20, first + 1, grown=5_000, opened=500)          # below the backing limit too
     assert not checkpoint_due(limit, first + 1, grown=5_000, opened=0)          # read-ahead alone: no epoch
     assert not checkpoint_due(limit, 10 * first, grown=10 * first + 1, opened=500)  # the first look
     tabled = 100_000
-    assert not checkpoint_due(limit, tabled + 25_000, grown=5_000, opened=500, tabled=tabled, since=25_000)
-    assert checkpoint_due(limit, tabled + 25_001, grown=5_000, opened=500, tabled=tabled, since=25_001)
+    assert not checkpoint_due(limit, tabled + 12_500, grown=5_000, opened=500, tabled=tabled, since=12_500)
+    assert checkpoint_due(limit, tabled + 12_501, grown=5_000, opened=500, tabled=tabled, since=12_501)

@@ -77,14 +77,15 @@ NODE_TABLE_CAPACITY = 1 << 24
 # see tablenodes.py), and those that are idle leave the daemon's memory for it (about 1 KB
 # each in memory; 22 bytes of columns and a 211-byte record on disk).
 CHECKPOINT_EVERY = 5.0
-CHECKPOINT_MIN_FILES = 65536  # fewer files than this cost the daemon less than ~70 MB kept in memory
+CHECKPOINT_MIN_FILES = 16384  # fewer files than this cost the daemon less than ~45 MB kept in memory
 CHECKPOINT_QUIET = 1000   # stopped growing: by less than 1/1000 of the files held since the last look
 CHECKPOINT_NEXT = 8       # a next generation: the files stored since are more than 1/8 of the table's
 # While a cold epoch still fetches, a next generation once the files stored since are more than
-# 1/CHECKPOINT_GROWING of the table's: the daemon holds at most the last fifth of the files in
-# memory (a half, at each doubling, had set the first mount's high-water mark), for tables
-# written that add up to less than five times the last
-CHECKPOINT_GROWING = 4
+# 1/CHECKPOINT_GROWING of the table's: the daemon holds at most the last ninth of the files in
+# memory (a half at each doubling, then a fifth at each quarter, had set the first mount's
+# high-water mark), for tables written that add up to less than nine times the last (each
+# generation is written at most once per CHECKPOINT_EVERY: 4.7 times at 200,000 files)
+CHECKPOINT_GROWING = 8
 
 # Names published ahead (cachefs/published.py, _publish_dir): the cached files of a
 # directory the daemon looks a file up in are published to the serving processes before

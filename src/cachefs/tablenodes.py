@@ -61,8 +61,8 @@ def checkpoint_due(limit: int, held: int, grown: int, opened: int, tabled: int =
     once the tier holds more than `growing_from` (CHECKPOINT_MIN_FILES) and then each time
     the files stored since the last are more than a CHECKPOINT_GROWING-th of the table's:
     what the daemon holds at the epoch's end (its high-water mark) is the files stored
-    since the last generation, at most a fifth of them, and the tables written add up to
-    less than five times the last."""
+    since the last generation, at most a ninth of them, and the tables written add up to
+    less than nine times the last."""
     quiet = 0 <= grown <= held // CHECKPOINT_QUIET and opened > 0
     if held > limit and quiet and (not tabled or since > tabled // CHECKPOINT_NEXT):
         return True
