@@ -319,10 +319,8 @@ class CachefsFS(Published, TableNodeOwner, Operations):
             if self._table is not None and self.session is not None:  # and no answer from before is on its way
                 self._table.quiesce(self.session.servers_alive)
             for path in paths:
-                directory, _, name = path.rpartition("/")
-                parent = self.nodes.id_of(directory or "/")
-                if parent is not None and self.session is not None:
-                    self.session.notify_inval_entry(parent, os.fsencode(name))
+                if (found := self.nodes.name_of(path)) is not None and self.session is not None:
+                    self.session.notify_inval_entry(*found)
                 log.info("%s changed on the source; opens from now on get the new version", path)
             for nodeids in (item for item in items if not isinstance(item, str)):
                 self._drop_names(nodeids)  # (a checkpoint's: TableNodeOwner._unname_tabled)

@@ -443,6 +443,13 @@ class Nodes:
     def id_of(self, path: str) -> int | None:
         return self._ids.get(path)
 
+    def name_of(self, path: str) -> tuple[int, bytes] | None:
+        """(the node of `path`'s directory, its name there) as the kernel knows them (for
+        FUSE_NOTIFY_INVAL_ENTRY), or None if the directory has no node."""
+        directory, _, name = path.rpartition("/")
+        parent = self._ids.get(directory or "/")
+        return None if parent is None else (parent, os.fsencode(name))
+
     def files(self) -> array:
         """The ids of the nodes that stand for a file version (regular files)."""
         with self._lock:

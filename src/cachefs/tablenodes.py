@@ -294,11 +294,8 @@ class TableNodeOwner:
             return
         for nodeid in nodeids:
             fid = nodes.file_id(nodeid)
-            if fid is None:
-                continue
-            directory, _, name = fid.path.rpartition("/")
-            parent = nodes.id_of(directory or "/")
-            if parent is not None and session.notify_inval_entry(parent, os.fsencode(name)):
+            found = None if fid is None else nodes.name_of(fid.path)
+            if found is not None and session.notify_inval_entry(*found):
                 dropped += 1
         self.core.stats.incr("serve.names_dropped", dropped)
         log.info("the kernel dropped its names of %d of the %d files the checkpoint holds that it had looked "
