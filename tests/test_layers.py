@@ -25,7 +25,7 @@ LAYERS = [
                     "dirahead"}),
     ("core", {"core"}),
     ("features", {"hints", "warm", "coverage", "control", "metrics"}),
-    ("file system", {"nodes", "published", "tablenodes", "serving", "fs"}),
+    ("file system", {"nodes", "published", "tablenodes", "checkpointing", "serving", "fs"}),
     ("daemon and command line", {"daemon", "validate", "mount", "watch", "options", "cli", "mounthelper",
                                  "__main__"}),
 ]

@@ -22,6 +22,7 @@ from unittest import mock
 
 import pytest
 
+from cachefs.checkpointing import checkpoint_due
 from cachefs.config import CHECKPOINT_GROWING, CHECKPOINT_MIN_FILES
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import (
@@ -35,7 +36,6 @@ from cachefs.fuse.serve import (
 )
 from cachefs.fuse.servetable import ANSWERED, MAPPED, ServeTable
 from cachefs.nodes import Backings, Nodes
-from cachefs.tablenodes import checkpoint_due
 
 O_RDONLY = os.O_RDONLY
 

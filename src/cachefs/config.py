@@ -74,7 +74,7 @@ NODE_TABLE_CAPACITY = 1 << 24
 # Seconds between two looks, in a mount that started without an entry table, at whether the
 # NVMe tier has passed --backing-files (or CHECKPOINT_MIN_FILES) and stopped growing: then its
 # entries are written as a table whose records the serving processes answer (a checkpoint,
-# see tablenodes.py), and those that are idle leave the daemon's memory for it (about 1 KB
+# see checkpointing.py), and those that are idle leave the daemon's memory for it (about 1 KB
 # each in memory; 22 bytes of columns and a 211-byte record on disk).
 CHECKPOINT_EVERY = 5.0
 CHECKPOINT_MIN_FILES = 16384  # fewer files than this cost the daemon less than ~45 MB kept in memory

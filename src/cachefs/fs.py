@@ -31,6 +31,7 @@ from array import array
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
+from cachefs.checkpointing import Checkpointing
 from cachefs.config import HINT_REPORT_OPENS, NODE_TABLE_CAPACITY, Config, backing_limit
 from cachefs.core import Core
 from cachefs.directio import OUT_OF_DESCRIPTORS, descriptor_limit, trim_descriptors
@@ -102,7 +103,7 @@ def _fuse_op(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
-class CachefsFS(Published, TableNodeOwner, Operations):
+class CachefsFS(Published, TableNodeOwner, Checkpointing, Operations):
     """The file system cachefs mounts: a read-only mirror of the source through the core."""
 
     # READDIRPLUS (the kernel's adaptive kind, READDIRPLUS_AUTO), its entries with
@@ -323,7 +324,7 @@ class CachefsFS(Published, TableNodeOwner, Operations):
                     self.session.notify_inval_entry(*found)
                 log.info("%s changed on the source; opens from now on get the new version", path)
             for nodeids in (item for item in items if not isinstance(item, str)):
-                self._drop_names(nodeids)  # (a checkpoint's: TableNodeOwner._unname_tabled)
+                self._drop_names(nodeids)  # (a checkpoint's: Checkpointing._unname_tabled)
 
     def _fid(self, nodeid: int, path: str) -> FileId:
         """The file version a node stands for (Nodes), or the source's current one."""
