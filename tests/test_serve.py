@@ -658,7 +658,7 @@ def test_a_node_id_given_out_again_is_never_taken_back_for_its_previous_file(tmp
 
         first, old = publish("/a", b"E" * 16)
         fs.forget(first, 1)  # the kernel forgot it: queued for the reaper
-        fs._dropped(b"E" * 16)  # and a tier dropped its copy: queued too
+        fs._dropped(b"E" * 16, False)  # and a tier dropped its copy: queued too
         queued = [fs._unpublished.get() for _ in range(2)]
         assert queued[0] == ("node", first, old, True) and queued[1] == ("copy", b"E" * 16)
         fs._take_back(table, first, old, True)  # the forget's take-back: the id is free
@@ -917,8 +917,8 @@ def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
     (the open registering the cached file once, under the node's lock), and reported; what
     the table cannot vouch for, and anything of a node the main process took, is forwarded."""
     from cachefs.config import CLEAN_MARGIN_NS
-    from cachefs.fuse.serve import REGISTERED
-    from cachefs.fuse.servetable import ROW_CLOSING, ROW_FREE, ROW_NAMED, ROW_TAKEN
+    from cachefs.fuse.serve import REGISTERED, REGISTERED_RAM
+    from cachefs.fuse.servetable import RAM_REGISTERED, RAM_WANTED, ROW_CLOSING, ROW_FREE, ROW_TAKEN
     from cachefs.identity import Attr
     from cachefs.tiers import table as entry_table
     from cachefs.tiers.layout import block_hash
@@ -950,11 +950,16 @@ def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
     t = ServeTable.create(capacity=1024, processes=2, rows=len(rows))
     tfd = os.open(tmp_path / "t", os.O_RDONLY)
     dfd = os.open(data, os.O_PATH | os.O_DIRECTORY)
-    k = FakeKernel(t, rows=entry_table.Mapped(tfd, dfd), ttl=3600.0)
+    ram = tmp_path / "ram"  # the RAM tier's data directory
+    (ram / "05").mkdir(parents=True)
+    rfd = os.open(ram, os.O_PATH | os.O_DIRECTORY)
+    k = FakeKernel(t, rows=entry_table.Mapped(tfd, dfd), ttl=3600.0, ram_fd=rfd)
     registered: list[int] = []
+    from_ram: list[bool] = []
 
     def backing_open(fd: int) -> int:
         registered.append(os.fstat(fd).st_size)
+        from_ram.append(os.readlink(f"/proc/self/fd/{fd}").startswith(str(ram)))
         return 40 + len(registered)
 
     k.server.backing_open = backing_open  # type: ignore[method-assign]
@@ -1037,33 +1042,50 @@ def test_a_serving_process_answers_table_nodes_from_the_entry_table(tmp_path):
         assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.OPEN
         k.send(p.FORGET, base, forget_in(1))
         assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.FORGET
-        # the main process takes a node's opens only (RAM took the file): its name is still
-        # answered here, its opens are the main process's (or its slot's, once it publishes)
-        assert t.take_row(4, named=True) == 0 and t.row_state[4] == ROW_NAMED and t.has_name(base + 4)
-        assert t.take_row(4, named=True) == -1
-        u = k.send(p.LOOKUP, 1, b"top.jpg\0")
-        assert k.reply()[:2] == (u, 0)
-        k.send(p.OPEN, base + 4, open_in(O_RDONLY))
-        assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.OPEN
-        t.publish(base + 4, 77)
+        # RAM takes a file: the node stays here, and its next registration is of RAM's copy
+        # (the NVMe one while RAM's is not there whole); a registration of the other copy is
+        # closed as past the limit, not while it is open
+        assert t.close_row(4, True) == 0 and t.row_copy[4] == RAM_WANTED  # (nothing registered yet)
+        (ram / "05" / ("05" * 16)).write_bytes(b"r" * 49)  # (being written)
         u = k.send(p.OPEN, base + 4, open_in(O_RDONLY))
-        assert p.OPEN_OUT.unpack(k.reply()[2])[2] == 77 and registered == [10, 70, 70]
-        # (its slot: the main process's)
-        assert t.take_row(4) == 0 and t.row_state[4] == ROW_TAKEN and t.slots[base + 4] == 77
+        assert p.OPEN_OUT.unpack(k.reply()[2])[2] == 44 and registered[-1] == 50 and not from_ram[-1]
+        assert t.row_copy[4] == RAM_WANTED and t.slots[base + 4] == 44
+        (ram / "05" / ("05" * 16)).write_bytes(b"r" * 50)
+        assert t.close_row(4, True) == 44 and t.row_state[4] == ROW_CLOSING and t.slots[base + 4] == 0
+        assert not t.row_closed(4, 44) and t.slots[base + 4] == 44  # (open)
+        u = k.send(p.RELEASE, base + 4, release_in(OWN_FH | (base + 4)))
+        assert k.reply() == (u, 0, b"")
+        assert t.close_row(4, True) == 44 and t.row_closed(4, 44) and t.slots[base + 4] == 0
+        assert t.row_copy[4] == RAM_WANTED
+        u = k.send(p.OPEN, base + 4, open_in(O_RDONLY))
+        assert p.OPEN_OUT.unpack(k.reply()[2])[2] == 45 and registered[-1] == 50 and from_ram[-1]
+        assert t.row_copy[4] == RAM_WANTED | RAM_REGISTERED and t.close_row(4, True) == 0
+        u = k.send(p.RELEASE, base + 4, release_in(OWN_FH | (base + 4)))
+        assert k.reply() == (u, 0, b"")
+        # RAM lets it go: back to the NVMe copy
+        assert t.close_row(4, False) == 45 and t.row_closed(4, 45) and t.row_copy[4] == 0
+        (ram / "05" / ("05" * 16)).unlink()
+        u = k.send(p.OPEN, base + 4, open_in(O_RDONLY))
+        assert p.OPEN_OUT.unpack(k.reply()[2])[2] == 46 and not from_ram[-1] and t.row_copy[4] == 0
+        # taken by the main process: its id (whichever copy's) comes back, the rest is forwarded
+        assert t.take_row(4) == 46 and t.row_state[4] == ROW_TAKEN and t.slots[base + 4] == 0
+        assert t.close_row(4, True) == 0 and t.row_state[4] == ROW_TAKEN  # (a taken node's copy: the daemon's)
         k.send(p.LOOKUP, 1, b"top.jpg\0")
         assert p.IN_HEADER.unpack_from(k.forwarded(), 4)[1] == p.LOOKUP
         report = k.forwarded()
         counts, opened = decode_report(memoryview(report)[4:])
         assert list(opened) == [base | REGISTERED, base, base, (base + 6) | REGISTERED, base + 6,
-                                (base + 6) | REGISTERED, base + 6, base + 4]
-        assert counts["lookup"][0] == 7 and counts["open"][0] == 5 and counts["forget"][0] == 1
-        assert counts["release"][0] == 2
+                                (base + 6) | REGISTERED, base + 6, (base + 4) | REGISTERED, base + 4,
+                                (base + 4) | REGISTERED | REGISTERED_RAM, base + 4, (base + 4) | REGISTERED, base + 4]
+        assert counts["lookup"][0] == 6 and counts["open"][0] == 7 and counts["forget"][0] == 1
+        assert counts["release"][0] == 4
         assert t.lookups(0)[base] == 0
     finally:
         k.close()
         k.server.rows.close()
         os.close(tfd)
         os.close(dfd)
+        os.close(rfd)
         t.close()
 
 

@@ -81,6 +81,7 @@ class Checkpointing:
     _publish_dir_path: Callable[[int, str], None]
     _free_row: Callable[[str, Attr], tuple[int, TableFile] | None]
     _acl_blind: Callable[[], bool]
+    _dir_fd: Callable[[str | None, str], int]
 
     _checkpointer: threading.Thread | None
     _checkpoint_stop: threading.Event
@@ -178,11 +179,9 @@ class Checkpointing:
             log.info("serving processes answer the %d files of the checkpoint's next entry table", count)
             self._checkpointed()
             return count
-        try:
-            data_fd = os.open(self.core.cache.fill_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as exc:
+        data_fd = self._dir_fd(self.core.cache.fill_dir, "the NVMe tier's data directory")
+        if data_fd < 0:
             os.close(table_fd)
-            log.warning("the NVMe tier's data directory: %s; the daemon answers its files", exc.strerror)
             return None
         self._checkpoint_fds = [data_fd, table_fd]  # the serving processes open them (the newest table last)
         self._start_rows(count, (table_fd, data_fd))

@@ -70,6 +70,10 @@ def default_serve_processes() -> int:
 # after the kernel forgets them, so this bounds the nodes the kernel holds at once, not the
 # files of a tree; a node beyond it has its opens answered by the main process.
 NODE_TABLE_CAPACITY = 1 << 24
+# Seconds before a table node's switch to the copy RAM holds (or, once RAM let it go, to
+# the NVMe tier's) is tried again when its registration could not be closed: a reader had
+# the other copy open (see tablenodes.py, _close_rows).
+SWITCH_RETRY = 0.1
 
 # Seconds between two looks, in a mount that started without an entry table, at whether the
 # NVMe tier has passed --backing-files (or CHECKPOINT_MIN_FILES) and stopped growing: then its

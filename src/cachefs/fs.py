@@ -213,17 +213,17 @@ class CachefsFS(Published, TableNodeOwner, Checkpointing, Operations):
             self.core.stats.gauge("opens.backing_files", lambda: len(self._backings or ()))
             self.core.stats.gauge("opens.backing_files_ram", lambda: self._backings.ram_count if self._backings else 0)
             rows = self._table_nodes()
+            ram_fd = self._dir_fd(self.core.cache.ram_fill_dir, "the RAM tier's data directory")
             try:
                 self._table = self.session.start_servers(self.config.serve_processes or 0, NODE_TABLE_CAPACITY,
                                                          self._name_limit, rows, SERVE_MAIN,
-                                                         self._checkpoint_room(rows), self._ttl)
+                                                         self._checkpoint_room(rows), self._ttl, ram_fd)
                 if self._table is not None and rows is not None and self._table.rows:
                     self._start_rows(rows.records)
                 self._start_checkpoints()
-            finally:
-                if rows is not None:  # the serving processes have theirs
-                    os.close(rows.table_fd)
-                    os.close(rows.data_fd)
+            finally:  # the serving processes have theirs
+                for fd in [fd for fd in (*(rows[1:3] if rows is not None else ()), ram_fd) if fd >= 0]:
+                    os.close(fd)
             if self._table is not None:
                 self._reaper = threading.Thread(target=self._reap_loop, name="cachefs-reap", daemon=True)
                 self._reaper.start()

@@ -17,10 +17,10 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cachefs.config import AHEAD_DIRS_MAX, AHEAD_ROOM
+from cachefs.config import AHEAD_DIRS_MAX, AHEAD_ROOM, SWITCH_RETRY
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import REGISTERED, decode_report
-from cachefs.fuse.servetable import NAME_MAX, ServeTable
+from cachefs.fuse.servetable import NAME_MAX, RAM_REGISTERED, ServeTable
 from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
 from cachefs.nodes import Backings, NodeOpen, Nodes, version_of
 
@@ -63,10 +63,12 @@ class Published:
     _rows: bool
     _take_row: Callable[..., None]
     _take_row_of: Callable[..., None]
+    _switch_row_of: Callable[[bytes, bool], None]
+    _switch_retry: list[int]
     _retire: Callable[..., None]
-    _row_taken: Callable[[ServeTable, int, NodeOpen | None, bool], None]
+    _row_taken: Callable[[ServeTable, int, NodeOpen | None], None]
     _rows_counted: Callable[[list[int]], None]
-    _close_rows: Callable[[list[int]], dict[int, int]]
+    _close_rows: Callable[[list[int], list[tuple[int, bool | None]]], dict[int, int]]
     _rows_closed: Callable[[dict[int, int]], None]
 
     def _publish_known(self, nodeid: int, fid: FileId, new: bool, register: bool = False) -> bool:
@@ -168,9 +170,6 @@ class Published:
         if parent is None:
             return
         self._table.unpublish_name(nodeid)
-        n = self._table.row_of(nodeid)
-        if n >= 0:
-            self._table.take_row(n)  # a table node's name: its lookups come here from now on
         self._naming.add(nodeid)
         self._unpublished.put(("name", nodeid, parent))
 
@@ -217,22 +216,28 @@ class Published:
         """RAM took a file (copied from NVMe in the background, cachefs/tiers/promote.py):
         a node published with the NVMe copy is taken back, and published again with the
         RAM copy once its opens have closed (see _take_back), so that the kernel reads RAM;
-        the NVMe copy's backing id is closed then (Backings.superseded)."""
+        the NVMe copy's backing id is closed then (Backings.superseded). A table node's
+        next registration is of RAM's copy (_switch_row_of)."""
         if eid in self._published:
             self._unpublished.put(("copy", eid))
-        self._take_row_of(eid, True)
+        self._switch_row_of(eid, True)
         if self._backings is not None:
             self._backings.superseded(eid)
 
-    def _dropped(self, eid: bytes) -> None:
-        """A tier dropped an entry: the node published with its file is taken back from the
-        serving processes (by the reaper: a tier's lock may be held here, and the node's
-        lock is taken before the tiers' everywhere else), and its backing id closed at its
-        last close. Until then the kernel reads the dropped copy, the same bytes."""
+    def _dropped(self, eid: bytes, ram: bool) -> None:
+        """A tier dropped an entry (`ram`: RAM did): the node published with its file is
+        taken back from the serving processes (by the reaper: a tier's lock may be held
+        here, and the node's lock is taken before the tiers' everywhere else), and its
+        backing id closed at its last close. Until then the kernel reads the dropped copy,
+        the same bytes. A table node RAM let go of is registered with the NVMe copy next
+        (_switch_row_of); one whose NVMe copy went is taken."""
         for key in Backings.keys(eid):
             if key in self._published:
                 self._unpublished.put(("copy", key))
-        self._take_row_of(eid)
+        if ram:
+            self._switch_row_of(eid, False)
+        else:
+            self._take_row_of(eid)
         if self._backings is not None:
             self._backings.dropped(eid)
 
@@ -342,10 +347,15 @@ class Published:
         """What the reaper takes back next: the first item queued, and those that came
         with it. Only `_reap` holds a batch: the loop had kept its last one (at 200,000
         files, 48,654 forgotten nodes' states, ~25 MB) until the next forget came."""
-        batch = [self._unpublished.get()]
-        time.sleep(0.005)  # a batch forget comes as many: one wait for all of them
+        try:  # (switches to try again wait a while: something had the copy open)
+            batch = [self._unpublished.get(timeout=SWITCH_RETRY if self._switch_retry else None)]
+            time.sleep(0.005)  # a batch forget comes as many: one wait for all of them
+        except queue.Empty:
+            batch = []
         while not self._unpublished.empty():
             batch.append(self._unpublished.get())
+        batch += [("switch", n, None) for n in self._switch_retry]
+        self._switch_retry.clear()
         return batch
 
     def _reap(self, batch: list[tuple]) -> bool:
@@ -368,7 +378,8 @@ class Published:
         taken = [item[1:] for item in batch if item[0] == "node"]
         taken += [found for item in batch if item[0] == "copy" and (found := self._unpublish_copy(table, item[1]))]
         names = [item[1:] for item in batch if item[0] == "name"]
-        closing = self._close_rows([item[1] for item in batch if item[0] == "close"])
+        closing = self._close_rows([item[1] for item in batch if item[0] == "close"],
+                                   [item[1:] for item in batch if item[0] == "switch"])
         if not taken and not names and not rows and not closing:
             return True
         waited = 0
@@ -450,7 +461,7 @@ class Published:
             row_base, row_end = table.row_base, table.row_base + table.rows
         for nodeid in opened:
             if nodeid & REGISTERED:
-                registered.append(nodeid & ~REGISTERED)
+                registered.append(nodeid)
                 continue
             state = get_state(nodeid)
             if state is not None and state.published:
@@ -482,8 +493,9 @@ class Published:
             log.warning("counting %d opens the serving processes answered failed: %s", len(fids), exc)
             return
         for state, now_in_ram, n in zip(states, in_ram, rows, strict=True):
-            if n >= 0 and now_in_ram and table is not None and table.row_theirs(n):
-                self._unpublished.put(("retire", n, True))  # RAM has it: RAM's copy registered
+            if n >= 0 and now_in_ram and table is not None:
+                if table.row_theirs(n) and not table.row_copy[n] & RAM_REGISTERED:
+                    self._unpublished.put(("switch", n, True))  # RAM has it: RAM's copy registered next
             elif state is not None and state.published and now_in_ram and not Backings.in_ram(state.eid):
                 # RAM took the file: the node is taken back, and once its opens have closed,
                 # published again with the RAM copy (one backing per inode while open)

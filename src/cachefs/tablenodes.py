@@ -23,7 +23,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from cachefs.fuse import protocol as p
-from cachefs.fuse.servetable import ROW_FREE, ROW_NAMED, ROW_TAKEN, ServeTable, TableNodes
+from cachefs.fuse.serve import REGISTERED, REGISTERED_RAM
+from cachefs.fuse.servetable import RAM_REGISTERED, RAM_WANTED, ROW_FREE, ROW_TAKEN, ServeTable, TableNodes
 from cachefs.identity import FS_ENCODING, FS_ERRORS, Attr, FileId
 from cachefs.nodes import Backings, NodeOpen, Nodes, version_of
 from cachefs.tiers.multilevel import TableFile
@@ -67,6 +68,8 @@ class TableNodeOwner:
     _backing_limit: int  # backing ids registered, this process's and theirs, at most (--backing-files)
     _rows_cv: threading.Condition  # the counts above, and the nodes whose backing id is being closed:
     _rows_closing: set[int]        # a taking waits those out (see _close_rows)
+    _rows_switching: set[int]  # table nodes whose registration is of the copy not wanted (the reaper's)
+    _switch_retry: list[int]  # of them, those to try again (something was open)
     _init_checkpoints: Callable[[], None]
 
     def _init_table_nodes(self) -> None:
@@ -80,6 +83,7 @@ class TableNodeOwner:
         self._rows_registered = 0
         self._rows_cv = threading.Condition()
         self._rows_closing = set()
+        self._rows_switching, self._switch_retry = set(), []
         self._init_checkpoints()
 
     def _start_rows(self, count: int, checkpoint: tuple[int, int] | None = None) -> None:
@@ -154,32 +158,20 @@ class TableNodeOwner:
         self.nodes.adopt(nodeid, row.path, row.attr)
         return True
 
-    def _take_row(self, n: int, named: bool = False) -> None:
+    def _take_row(self, n: int) -> None:
         """Table node n becomes this process's: the serving processes answer none of its
         requests from now on (its lookups, forgets and opens are forwarded once they
         quiesce), a backing id one of them registered is this process's (closed at its last
         close), and the reaper folds their counts into its own (_row_taken). A taken node
         is this process's for the rest of the mount; after the kernel forgets it, its file
-        gets a node of this process's numbering. `named` (RAM took the file): only its opens
-        become this process's, which registers RAM's copy and publishes the node with it;
-        its name stays the serving processes' (lookups answered from the table, as a
-        published name's: the node and its directory pinned, among the names' limit),
-        until it is taken back as a published name is (_take_name)."""
+        gets a node of this process's numbering. (RAM taking the file does not take it:
+        _switch_row_of.)"""
         table = self._table
         assert table is not None and self._rows
         nodeid = table.row_base + n
-        current = table.row_state[n]
-        if current == ROW_TAKEN or (named and current == ROW_NAMED):
-            return
-        if current == ROW_NAMED:
-            with self._names_lock:
-                self._take_name(nodeid)
+        if table.row_state[n] == ROW_TAKEN:
             return
         row = self.core.cache.table_file(n)
-        parent = None
-        if named and row is not None:
-            parent = self.nodes.id_of(row.path.rpartition("/")[0] or "/")
-        named = parent is not None
         state = None
         with self._node_lock(nodeid, refusable=False):
             adopted = row is not None and self.nodes.adopt(nodeid, row.path, row.attr)
@@ -189,7 +181,7 @@ class TableNodeOwner:
                     with self.session.blocking(refusable=False):  # another thread reads meanwhile
                         while n in self._rows_closing:
                             self._rows_cv.wait()
-                backing_id = table.take_row(n, named)
+                backing_id = table.take_row(n)
                 self._rows_registered -= backing_id > 0
             if backing_id < 0:  # taken meanwhile (its pin is that taking's)
                 if adopted:
@@ -197,60 +189,71 @@ class TableNodeOwner:
                 return
             if row is None:
                 return  # fails its CRC: no serving process answered it
-            if backing_id:
+            if backing_id:  # (its copy byte stays as the registration left it)
+                key = Backings.ram_key(row.eid) if table.row_copy[n] & RAM_REGISTERED else row.eid
                 state = NodeOpen(FileId.of(row.path, row.attr))
-                state.refs, state.backing_id, state.eid = 0, backing_id, row.eid
+                state.refs, state.backing_id, state.eid = 0, backing_id, key
                 state.published = state.private = True
                 with self._opens_lock:
                     self._opens[nodeid] = state
-                self._published.setdefault(row.eid, nodeid)
-        if parent is not None and self.nodes.pin(parent):
-            with self._names_lock:  # a published name from now on (its record is the table's)
-                self._named[nodeid] = parent
-                while len(self._named) > self._name_limit:
-                    self._take_name(next(iter(self._named)))
+                self._published.setdefault(key, nodeid)
         self.core.stats.incr("serve.table_nodes_taken")
-        self._unpublished.put(("row", nodeid, state, named))
+        self._unpublished.put(("row", nodeid, state))
 
-    def _retire(self, n: int, named: bool = False) -> None:
+    def _retire(self, n: int) -> None:
         try:
-            self._take_row(n, named)  # queues ("row", ...) for the reaper
+            self._take_row(n)  # queues ("row", ...) for the reaper
         except Exception:
             log.exception("taking table node %d from the serving processes failed", n)
 
-    def _row_taken(self, table: ServeTable, nodeid: int, state: NodeOpen | None, named: bool) -> None:
+    def _row_taken(self, table: ServeTable, nodeid: int, state: NodeOpen | None) -> None:
         """After quiesce: a taken table node's opens and lookups the serving processes
-        counted are its own now (as _take_back and _name_taken fold them); one whose name
-        stays theirs has only its opens folded, and is published with the copy the tiers
-        have now (RAM's) once the opens of the one they registered are closed."""
+        counted are its own now (as _take_back and _name_taken fold them)."""
         if state is not None:
-            self._take_back(table, nodeid, state, False)  # (publishes a named node again itself)
-        if named:
-            fid = self.nodes.file_id(nodeid)
-            if state is None and fid is not None and nodeid in self._named:
-                self._publish_known(nodeid, fid, False, register=True)
-            return
+            self._take_back(table, nodeid, state, False)
         if self.nodes.unpin(nodeid, table.take_lookups(nodeid)):
             self._forgotten(nodeid)
 
-    def _take_row_of(self, eid: bytes, named: bool = False) -> None:
-        """A tier dropped the entry, or RAM took it (`named`): its table node (if the serving
-        processes still answer it) is taken, by the reaper (a tier's lock may be held here)."""
-        if not self._rows or self._table is None:
-            return
-        n = self.core.cache.table_record_of_entry(eid)
-        if n is not None and self._table.row_theirs(n):
-            self._unpublished.put(("retire", n, named))
+    def _take_row_of(self, eid: bytes) -> None:
+        """The NVMe tier dropped the entry: its table node (if the serving processes still
+        answer it) is taken, by the reaper (a tier's lock may be held here)."""
+        n = self._row_theirs_of(eid)
+        if n is not None:
+            self._unpublished.put(("retire", n))
 
-    def _rows_counted(self, registered: list[int]) -> None:
-        """Table nodes a serving process registered a backing id for: counted against the
-        backing limit with this process's own registrations; past it, the oldest ids are
-        closed (by the reaper: _close_rows), the nodes staying the serving processes'."""
+    def _row_theirs_of(self, eid: bytes) -> int | None:
+        """The table node of entry `eid`, if the serving processes answer it."""
+        if not self._rows or self._table is None:
+            return None
+        n = self.core.cache.table_record_of_entry(eid)
+        return n if n is not None and n < self._table.rows and self._table.row_theirs(n) else None
+
+    # -- which copy a table node's registration passes through: RAM's or the NVMe tier's ---------
+
+    def _switch_row_of(self, eid: bytes, ram: bool) -> None:
+        """RAM took the file (`ram`) or let it go: the serving processes' next registration
+        of its table node is to be of RAM's copy, or of the NVMe tier's (by the reaper:
+        _close_rows). The node stays theirs: before, RAM taking it took its opens, and the
+        daemon registered RAM's copy and kept the node, its state, its name and its
+        registration (about 2 KB a file RAM holds)."""
+        n = self._row_theirs_of(eid)
+        if n is not None:
+            self._unpublished.put(("switch", n, ram))
+
+    def _rows_counted(self, reported: list[int]) -> None:
+        """Table nodes a serving process registered a backing id for (node ids as reported:
+        REGISTERED, and REGISTERED_RAM for RAM's copy): counted against the backing limit
+        with this process's own registrations; past it, the oldest ids are closed (by the
+        reaper: _close_rows), the nodes staying the serving processes'. A registration of
+        the NVMe copy vouches for its record (the restart check's tests passed)."""
         table = self._table
         assert table is not None and self._backings is not None
-        self.core.stats.incr("serve.table_registrations", len(registered))
+        registered = [nodeid & ~(REGISTERED | REGISTERED_RAM) for nodeid in reported]
+        nvme = [nodeid & ~REGISTERED for nodeid in reported if not nodeid & REGISTERED_RAM]
+        self.core.stats.add_many({"serve.table_registrations": len(registered),
+                                  "serve.table_registrations_ram": len(registered) - len(nvme)})
         order, base = self._row_order, table.row_base
-        self.core.cache.table_rows_vouched([nodeid - base for nodeid in registered])
+        self.core.cache.table_rows_vouched([nodeid - base for nodeid in nvme])
         with self._rows_cv:
             order.extend(registered)
             self._rows_registered += len(registered)
@@ -264,26 +267,36 @@ class TableNodeOwner:
                 del order[:self._row_head]
                 self._row_head = 0
 
-    def _close_rows(self, rows: list[int]) -> dict[int, int]:
-        """The reaper, before a quiesce: the backing ids of these table nodes, past the
-        limit, are to be closed (ServeTable.close_row); the ids by node. A taking of one of
-        them waits until _rows_closed. (Before the limit took nodes whole, and at 1.28
-        million files every open of the epoch after the first came to this process.)"""
+    def _close_rows(self, rows: list[int], switches: list[tuple[int, bool | None]]) -> dict[int, int]:
+        """The reaper, before a quiesce: the backing ids of these table nodes are to be
+        closed (ServeTable.close_row): `rows` past the limit, `switches` (node, whether
+        RAM's copy is wanted; None: as wanted now, a retry) where the id is the other copy's
+        (_switch_row_of; once closed the next open registers the copy wanted; while
+        something is open, tried again SWITCH_RETRY later: until then the kernel reads the
+        copy it has, the same bytes). The ids by node. A taking of one of them waits until
+        _rows_closed. (Before the limit took nodes whole, and at 1.28 million files every
+        open of the epoch after the first came to this process.)"""
         table = self._table
         assert table is not None
         closing = {}
+        wanted = [(n, bool(table.row_copy[n] & RAM_WANTED) if ram is None else ram) for n, ram in switches]
         with self._rows_cv:
-            for n in rows:
+            for n, ram in [*wanted, *((n, None) for n in rows)]:
                 try:
-                    backing_id = table.close_row(n)
+                    backing_id = table.close_row(n, ram)
                 except OSError as exc:  # (its lock: nothing changed)
                     log.warning("closing the backing id of table node %d: %s", n, exc.strerror)
                     backing_id = 0
                 if backing_id:
                     closing[n] = backing_id
                     self._rows_closing.add(n)
-                else:
+                    if ram is not None:
+                        self._rows_switching.add(n)
+                        self._rows_registered -= 1  # (given back if it is not closed)
+                elif ram is None:
                     self._rows_registered += 1  # taken meanwhile (the taking counted it), or queued twice
+                elif n not in self._rows_closing:  # (nothing to close: taken, or the copy wanted)
+                    self._rows_switching.discard(n)
         return closing
 
     def _rows_closed(self, closing: dict[int, int]) -> None:
@@ -292,21 +305,28 @@ class TableNodeOwner:
         goes to the back of the queue."""
         table = self._table
         assert table is not None and self.session is not None
-        closed = []
+        closed, switched = [], [0, 0]  # to RAM's copy, back to the NVMe copy
         with self._rows_cv:
             try:
                 for n, backing_id in closing.items():
                     if table.row_closed(n, backing_id):
                         closed.append(backing_id)
+                        if n in self._rows_switching:
+                            self._rows_switching.discard(n)
+                            switched[not table.row_copy[n] & RAM_WANTED] += 1
                     else:
                         self._rows_registered += 1
-                        self._row_order.append(table.row_base + n)
+                        if n in self._rows_switching:  # (its registration's place in the order stays)
+                            self._switch_retry.append(n)
+                        else:
+                            self._row_order.append(table.row_base + n)
             finally:  # a taking waiting on one of them must never wait for good
                 self._rows_closing.difference_update(closing)
                 self._rows_cv.notify_all()
         for backing_id in closed:
             self._close_private(backing_id)
-        self.core.stats.incr("serve.table_backings_closed", len(closed))
+        self.core.stats.add_many({"serve.table_backings_closed": len(closed) - sum(switched),
+                                  "serve.table_switches": switched[0], "serve.table_switches_back": switched[1]})
 
     def _close_private(self, backing_id: int) -> None:
         """Close a backing id a serving process registered (the daemon holds no file for
@@ -335,13 +355,23 @@ class TableNodeOwner:
         if found is None:
             return None
         table_fd, count = found
-        try:
-            data_fd = os.open(self.core.cache.fill_dir, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError as exc:
+        data_fd = self._dir_fd(self.core.cache.fill_dir, "the NVMe tier's data directory")
+        if data_fd < 0:
             os.close(table_fd)
-            log.warning("the NVMe tier's data directory: %s; the daemon answers every first lookup", exc.strerror)
             return None
         return TableNodes(count, table_fd, data_fd, self._ttl)
+
+    @staticmethod
+    def _dir_fd(path: str | None, what: str) -> int:
+        """A descriptor of directory `path` (O_PATH) for the serving processes, which open
+        cache files beneath it; -1 if there is none (logged: the daemon answers its files)."""
+        if path is None:
+            return -1
+        try:
+            return os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as exc:
+            log.warning("%s: %s; the daemon answers its files", what, exc.strerror)
+            return -1
 
     def _table_lookup(self, path: str, a: Attr) -> tuple[int, bool]:
         """A lookup this process answers, with table nodes on: (node id, new) as

@@ -60,6 +60,8 @@ from cachefs.fuse.servetable import (
     ANSWERED,
     FORWARDED,
     PENDING,
+    RAM_REGISTERED,
+    RAM_WANTED,
     REPORT_OPENS,
     REPORTS,
     ROW_FREE,
@@ -69,7 +71,8 @@ from cachefs.fuse.servetable import (
 
 OWN_FH = 1 << 63          # the handle of an open of a published node: its release may be answered anywhere
 REPORT = 1 << 31          # in a forwarded message's index: a serving process's report, not a request
-REGISTERED = 1 << 31      # in a report's node ids: a table node this process registered a backing id for
+REGISTERED = 1 << 31      # in a report's node ids: a table node this process registered a backing id for,
+REGISTERED_RAM = 1 << 30  # and of RAM's copy (node ids stay below 2**25: NODE_TABLE_CAPACITY twice)
 WAKE = 0xFFFFFFFF         # a forwarded message's index: the main process waking its own readers
 REPORT_EVERY = 512        # requests answered between reports
 REPORT_AFTER = 0.05       # seconds idle before a report of what is pending
@@ -108,6 +111,8 @@ class TableRows(Protocol):
 
     def open_held(self, fields: tuple) -> int: ...
 
+    def open_copy(self, fields: tuple, dir_fd: int) -> int: ...
+
     def close(self) -> None: ...
 
 
@@ -120,13 +125,14 @@ class Server:
 
     def __init__(self, index: int, fuse_fd: int, table: ServeTable, forward: socket.socket, bufsize: int,
                  rows: TableRows | None = None, ttl: float = 0.0,
-                 rows_from: Callable[[int, int], TableRows] | None = None):
+                 rows_from: Callable[[int, int], TableRows] | None = None, ram_fd: int = -1):
         self.index, self.fd, self.table, self.forward = index, fuse_fd, table, forward
         self.rows_from = rows_from  # reads a checkpoint's table (rows_published)
         # Table nodes: the NVMe tier's entry table, and how long a record's attributes are
         # good for after they were stored (--metadata-ttl)
         self.rows, self.ttl = rows if table.rows else None, ttl
         self._rows_fds: list[int] = []  # a checkpoint's table and data directory, as mapped here
+        self.ram_fd = ram_fd  # the RAM tier's data directory (a table node RAM holds registers RAM's copy)
         self.valid = p.split_timeout(ttl)
         self.buf = bytearray(bufsize)
         self.prefix = _PREFIX.pack(index)
@@ -317,11 +323,12 @@ class Server:
     def register(self, n: int) -> int:
         """A backing id for table node n's cached file, registered by this process (under
         the node's lock: one per inode), if the node is FREE (not taken, nor an id of its
-        being closed: that open is forwarded, and the main process takes the node) and the
-        file is as the clean stop left it (its size, and its ctime from before that stop
-        less the margin, or else its bytes' hash: the restart check's tests, see
-        tiers/checks.py); else 0 (the open is forwarded). Reported with the opens
-        (REGISTERED), for the main process's limit."""
+        being closed: that open is forwarded, and the main process takes the node): RAM's
+        copy where the main process wants it (RAM holds the file: ServeTable.close_row) and
+        it is there whole; else the NVMe tier's, if it is as the clean stop left it (its
+        size, and its ctime from before that stop less the margin, or else its bytes' hash:
+        the restart check's tests, see tiers/checks.py); else 0 (the open is forwarded).
+        Reported with the opens (REGISTERED), for the main process's limit."""
         table, rows = self.table, self.rows
         if rows is None or not 0 <= n < table.rows:
             return 0
@@ -334,7 +341,11 @@ class Server:
             if backing:
                 return backing
             f = rows.record(n)
-            fd = -1 if f is None else rows.open_held(f)
+            copy = table.row_copy[n]
+            fd = rows.open_copy(f, self.ram_fd) if f is not None and copy & RAM_WANTED and self.ram_fd >= 0 else -1
+            ram = fd >= 0
+            if not ram:
+                fd = -1 if f is None else rows.open_held(f)
             if fd < 0:
                 return 0
             try:
@@ -344,7 +355,8 @@ class Server:
             finally:
                 os.close(fd)
             table.slots[nodeid] = backing
-            self.opened.append(nodeid | REGISTERED)
+            table.row_copy[n] = (copy | RAM_REGISTERED) if ram else (copy & ~RAM_REGISTERED)
+            self.opened.append(nodeid | REGISTERED | (REGISTERED_RAM if ram else 0))
             return backing
         finally:
             table.row_lock(n, False)
@@ -457,6 +469,7 @@ def main(argv: list[str] | None = None, rows_from: Callable[[int, int], TableRow
     ap.add_argument("--parent", type=int, required=True, help="the daemon's pid")
     ap.add_argument("--rows-fd", type=int, default=-1, help="the NVMe tier's entry table (table nodes)")
     ap.add_argument("--data-fd", type=int, default=-1, help="the NVMe tier's data directory")
+    ap.add_argument("--ram-fd", type=int, default=-1, help="the RAM tier's data directory")
     ap.add_argument("--ttl", type=float, default=0.0, help="--metadata-ttl, seconds")
     args = ap.parse_args(argv)
     return run(args, rows_from)
@@ -474,7 +487,7 @@ def run(args: argparse.Namespace, rows_from: Callable[[int, int], TableRows] | N
             rows = rows_from(args.rows_fd, args.data_fd)
         except (OSError, ValueError) as exc:  # the main process answers those lookups
             print(f"cachefs serving process {args.index}: the entry table: {exc}", file=sys.stderr)
-    server = Server(args.index, args.fuse_fd, table, forward, args.bufsize, rows, args.ttl, rows_from)
+    server = Server(args.index, args.fuse_fd, table, forward, args.bufsize, rows, args.ttl, rows_from, args.ram_fd)
     server.main_pid = os.getppid()
     try:
         return server.run()

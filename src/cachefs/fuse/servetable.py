@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import xxhash
 
-_MAGIC = b"cfsserv5"
+_MAGIC = b"cfsserv6"
 # magic, capacity, processes, buckets, row base, room for table nodes, table nodes, their
 # generation (1: the table nodes of a start's table or of a checkpoint; 0: none yet), the
 # table's and the data directory's descriptors in the main process (a checkpoint's: the
@@ -40,11 +40,14 @@ RECORD = 256
 NAME_MAX = RECORD - _NAME                  # longer names are looked up by the main process
 DIR_PATH = 0xFFFF                          # a record's entry length: the record holds a directory's path
 DIR_PATH_MAX = RECORD - _ENTRY             # (at _ENTRY); a longer path's files are the main process's
-# A table node's state: the serving processes' (FREE); its name theirs and its opens the
-# main process's (NAMED: its slot is what the main process publishes); the main process's
-# (TAKEN); or the serving processes' while the main process closes the backing id one of
-# them registered (CLOSING: they register none and answer its releases; see close_row)
-ROW_FREE, ROW_NAMED, ROW_TAKEN, ROW_CLOSING = 0, 1, 2, 3
+# A table node's state: the serving processes' (FREE); the main process's (TAKEN); or the
+# serving processes' while the main process closes the backing id one of them registered
+# (CLOSING: they register none and answer its releases; see close_row)
+ROW_FREE, ROW_TAKEN, ROW_CLOSING = 0, 1, 2
+# A table node's copy byte: the main process wants RAM's copy registered for it (RAM holds
+# the file: RAM_WANTED), and the slot's backing id (or the one being closed) is RAM's copy
+# (RAM_REGISTERED, written with the slot by whoever registers it). See close_row.
+RAM_WANTED, RAM_REGISTERED = 1, 2
 _LOCK_AT = 1 << 40                         # table node n's lock: byte _LOCK_AT + n of the table (fcntl)
 _FLOCK = struct.Struct("hh4xqqi4x")        # struct flock: type, whence, start, len, pid
 _LINE = 64                                 # each process's busy counter on a cache line of its own
@@ -75,8 +78,8 @@ class ServeTable:
     requests answered but not reported yet, reports sent...), then per node id a u32
     backing id, per serving process an i32 open count and an i64 lookup count per node,
     the names' hash buckets (u64 key, u64 node id), a RECORD per node (its published
-    name and entry), then per table node its state byte and (8-byte aligned) a u32 of
-    when its file was last confirmed on the source (confirm_row). The file is sparse:
+    name and entry), then per table node its state byte, its copy byte (close_row) and
+    (8-byte aligned) a u32 of when its file was last confirmed on the source (confirm_row). The file is sparse:
     pages are touched only for the node ids in use (they are given out densely, see
     Nodes.recycle) and the buckets' pages."""
 
@@ -102,7 +105,9 @@ class ServeTable:
         base += 16 * buckets
         self.records = view[base:base + RECORD * capacity]
         base += RECORD * capacity
-        self.row_state = view[base:base + room]  # per table node: ROW_FREE or ROW_TAKEN
+        self.row_state = view[base:base + room]  # per table node: ROW_FREE, ROW_TAKEN or ROW_CLOSING
+        base += _aligned(room)
+        self.row_copy = view[base:base + room]  # per table node: RAM_WANTED | RAM_REGISTERED
         base += _aligned(room)
         self.confirmed = view[base:base + 4 * room].cast("I")  # per table node: see confirm_row
         self._live = 0  # names in the buckets (the main process's count)
@@ -113,7 +118,7 @@ class ServeTable:
     @staticmethod
     def size(capacity: int, processes: int, buckets: int, room: int = 0) -> int:
         return (_LINE * (1 + processes) + 4 * capacity * (1 + processes) + 8 * capacity * processes
-                + 16 * buckets + RECORD * capacity + _aligned(room) + 4 * room)
+                + 16 * buckets + RECORD * capacity + 2 * _aligned(room) + 4 * room)
 
     @classmethod
     def create(cls, capacity: int, processes: int, names: int = 0, rows: int = 0, room: int = 0) -> ServeTable:
@@ -205,21 +210,19 @@ class ServeTable:
         if 0 <= n < self.room:
             self.confirmed[n] = max(self.confirmed[n], min(int(when), 0xFFFFFFFF))
 
-    def take_row(self, n: int, named: bool = False) -> int:
-        """The main process takes table node n's opens (`named`: its lookups, getattrs and
-        forgets stay the serving processes'), or the whole node (they go to it from now on,
-        once quiesced): the backing id a serving process registered for it (0 if none), its
-        slot cleared. -1 if it had it already. (Callers in the main process serialize the
-        takings of one node, and wait out its closing: the lock is per process.)"""
+    def take_row(self, n: int) -> int:
+        """The main process takes table node n (its requests go to it from now on, once
+        quiesced): the backing id a serving process registered for it (0 if none; RAM's copy
+        if row_copy says so), its slot cleared. -1 if it had it already. (Callers in the
+        main process serialize the takings of one node, and wait out its closing: the lock
+        is per process.)"""
         self.row_lock(n)
         try:
             state = self.row_state[n]
             assert state != ROW_CLOSING, "a table node is taken while its backing id is being closed"
-            if state == ROW_TAKEN or (named and state != ROW_FREE):
+            if state == ROW_TAKEN:
                 return -1
-            self.row_state[n] = ROW_NAMED if named else ROW_TAKEN
-            if state == ROW_NAMED:
-                return 0  # its slot is the main process's already
+            self.row_state[n] = ROW_TAKEN
             nodeid = self.row_base + n
             backing_id = int(self.slots[nodeid])
             self.slots[nodeid] = 0
@@ -231,15 +234,23 @@ class ServeTable:
         """Whether the serving processes answer table node n (FREE, or CLOSING)."""
         return self.row_state[n] in (ROW_FREE, ROW_CLOSING)
 
-    def close_row(self, n: int) -> int:
+    def close_row(self, n: int, ram: bool | None = None) -> int:
         """Close the backing id a serving process registered for table node n without taking
         the node, in two steps with a quiesce between them; this is the first. A FREE
         node's slot is cleared and the node is CLOSING: no serving process registers an id
         for it, and they answer its releases still (without the slot). The id, or 0 (not
-        FREE, or nothing registered)."""
+        FREE, or nothing registered). With `ram` (a switch): the node's opens are to pass
+        RAM's copy through (RAM holds the file) or, False, the NVMe tier's (RAM let it go),
+        and the serving process that registers its next id opens that copy; the id is
+        closed only if it is the other copy's."""
         nodeid = self.row_base + n
         self.row_lock(n)
         try:
+            copy = self.row_copy[n]
+            if ram is not None:
+                self.row_copy[n] = (copy | RAM_WANTED) if ram else (copy & ~RAM_WANTED)
+                if bool(copy & RAM_REGISTERED) == ram:
+                    return 0
             if self.row_state[n] != ROW_FREE or not self.slots[nodeid]:
                 return 0
             self.row_state[n] = ROW_CLOSING
@@ -262,6 +273,7 @@ class ServeTable:
             if sum(column[nodeid] for column in self._counts):
                 self.slots[nodeid] = backing_id
                 return False
+            self.row_copy[n] &= ~RAM_REGISTERED
             return True
         finally:
             self.row_lock(n, False)
@@ -500,8 +512,8 @@ class ServeTable:
     def close(self) -> None:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
-        for v in (self.busy, self.slots, self.bucket, self.records, self.row_state, self.confirmed, *self._counts,
-                  *self._lookups):
+        for v in (self.busy, self.slots, self.bucket, self.records, self.row_state, self.row_copy, self.confirmed,
+                  *self._counts, *self._lookups):
             v.release()
         self._counts, self._lookups = [], []
         try:

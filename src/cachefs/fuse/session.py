@@ -233,7 +233,8 @@ class Session(Handlers):
         return fd
 
     def start_servers(self, count: int, capacity: int, names: int = 0, rows: TableNodes | None = None,
-                      main: str = SERVE_MAIN, room: int = 0, ttl: float = 0.0) -> ServeTable | None:
+                      main: str = SERVE_MAIN, room: int = 0, ttl: float = 0.0,
+                      ram_fd: int = -1) -> ServeTable | None:
         """Start `count` serving processes (cachefs/fuse/serve.py) before start(): each reads
         a cloned descriptor of this connection and answers the lookups, opens and releases
         of the names and nodes published in the returned table (room for `names` names),
@@ -241,8 +242,10 @@ class Session(Handlers):
         process's threads then answer what they forward instead of reading /dev/fuse.
         `main`: the code each runs (python -c; with `rows`, one that reads the table).
         Without `rows`, `room` for the table nodes of a checkpoint published later
-        (ServeTable.publish_rows; `ttl`: --metadata-ttl, as TableNodes.ttl). None (and
-        nothing started) where the descriptor cannot be cloned."""
+        (ServeTable.publish_rows; `ttl`: --metadata-ttl, as TableNodes.ttl). `ram_fd`: the
+        RAM tier's data directory, where they open RAM's copy of a table node RAM holds
+        (ServeTable.close_row). None (and nothing started) where the descriptor cannot be
+        cloned."""
         if count <= 0 or not self._clone:
             return None
         fds: list[int] = []
@@ -263,6 +266,9 @@ class Session(Handlers):
         if rows is not None:
             extra += ["--rows-fd", str(rows.table_fd), "--data-fd", str(rows.data_fd)]
             shared += [rows.table_fd, rows.data_fd]
+        if ram_fd >= 0:
+            extra += ["--ram-fd", str(ram_fd)]
+            shared.append(ram_fd)
         for index, fd in enumerate(fds):
             # (not `-m cachefs.fuse.serve`: this package imports that module first, and runpy
             # then ran it a second time as __main__, with a RuntimeWarning in the log at

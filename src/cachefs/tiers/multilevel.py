@@ -375,10 +375,14 @@ class MultiLevelCache:
             if tier.needs_check(eid):
                 tier.backing_file(eid)
 
-    def on_drop(self, listener: Callable[[bytes], None]) -> None:
-        """Tell `listener` of every file version a tier drops whole (its backing id goes)."""
+    def on_drop(self, listener: Callable[[bytes, bool], None]) -> None:
+        """Tell `listener` of every file version a tier drops whole (its backing id goes),
+        and whether that tier is RAM."""
+        def told(ram: bool) -> Callable[[bytes], None]:
+            return lambda eid: listener(eid, ram)
+
         for tier in self._local:
-            tier.on_drop.append(listener)
+            tier.on_drop.append(told(tier is self.ram))
 
     # -- files fetch processes write into the NVMe tier ----------------------------------------
 

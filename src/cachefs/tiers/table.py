@@ -548,3 +548,20 @@ class Mapped:
             os.close(fd)
             return -1
         return fd
+
+    def open_copy(self, fields: tuple, dir_fd: int) -> int:
+        """A read-only descriptor of the record's file as another tier holds it, under that
+        tier's data directory `dir_fd` (RAM's, written in this mount and only ever unlinked
+        whole: its size is the test, a copy being written is shorter), or -1."""
+        name = fields[0].hex()
+        try:
+            fd = os.open(f"{name[:SUBDIR_CHARS]}/{name}", os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+        except OSError:
+            return -1
+        try:
+            if os.fstat(fd).st_size == fields[15]:
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        return -1
