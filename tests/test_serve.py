@@ -598,10 +598,10 @@ def test_a_file_ram_took_has_its_nvme_registration_closed(tmp_path):
     assert session.closed[-1] == ram and len(backings) == 0 and backings.ram_count == 0
 
 
-def test_a_checkpoint_closes_the_idle_registrations_of_the_nvme_copies(tmp_path):
-    """Backings.close_nvme_idle: after a checkpoint the files it recorded are table nodes
-    that register their own; the daemon's idle NVMe registrations go, and each open one at
-    its last close; its RAM copies' stay."""
+def test_a_checkpoint_closes_the_idle_registrations(tmp_path):
+    """Backings.close_idle: after a checkpoint the files it recorded are table nodes that
+    register their own (RAM's copies too); the daemon's idle registrations go, and each
+    open one at its last close."""
     from cachefs.nodes import Backings
 
     (tmp_path / "copy").write_bytes(b"x")
@@ -615,14 +615,13 @@ def test_a_checkpoint_closes_the_idle_registrations_of_the_nvme_copies(tmp_path)
         backings.put(eid)
     backings.put(Backings.ram_key(b"R" * 16))
     assert len(backings) == 5 and session.closed == []
-    assert backings.close_nvme_idle() == 3
-    assert sorted(session.closed) == sorted(idle.values()) and len(backings) == 2
-    assert backings.hold(b"H" * 16) == held and backings.hold(Backings.ram_key(b"R" * 16)) == ram
+    assert backings.close_idle() == 4
+    assert sorted(session.closed) == sorted([*idle.values(), ram]) and len(backings) == 1
+    assert backings.hold(b"H" * 16) == held and backings.hold(Backings.ram_key(b"R" * 16)) == 0
     assert backings.hold(b"\x00" * 16) == 0                          # registered again at its next open
     backings.put(b"H" * 16)
     backings.put(b"H" * 16)                                            # its last close: closed, not kept
-    backings.put(Backings.ram_key(b"R" * 16))                          # RAM's: kept
-    assert session.closed[-1] == held and len(backings) == 1 and backings.close_nvme_idle() == 0
+    assert session.closed[-1] == held and len(backings) == 0 and backings.close_idle() == 0
 
 
 def test_a_node_id_given_out_again_is_never_taken_back_for_its_previous_file(tmp_path):

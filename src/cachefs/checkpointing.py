@@ -158,9 +158,9 @@ class Checkpointing:
         file's lookups from its record once the kernel has forgotten the daemon's node for
         it, its opens, its registration past the limit. The directories the kernel knows
         have their paths published (those it looks up later, at that lookup). Files RAM
-        holds are left out: they stay the daemon's nodes, as before (taken as named, more
-        of them than the names' limit had their names taken back in turn: at 1 GiB of RAM
-        and files of 2 KB, 262,144 files against a limit of 257,122). A next generation
+        holds are in it too, their table nodes marked for RAM's copy before they are
+        published (ServeTable.want_ram): they had been left out, the daemon's nodes with
+        RAM's copies registered, about 2 KB each of its memory. A next generation
         (the records before in their numbers) is published in place of the one before,
         whose descriptor this process keeps until every serving process maps the new one.
         The records the serving processes answer now, or None (it failed)."""
@@ -170,9 +170,10 @@ class Checkpointing:
         got = self.core.cache.checkpoint(room=table.room)
         if got is None:
             return None
-        table_fd, count = got
-        if table_fd < 0:  # nothing new to write (RAM holds what was stored since)
+        table_fd, count, ram_rows = got
+        if table_fd < 0:  # nothing new to write
             return count
+        table.want_ram(ram_rows)  # (their first registrations open RAM's copies)
         if self._rows:  # a next generation
             self._checkpoint_fds.append(table_fd)
             table.publish_rows(count, table_fd, self._checkpoint_fds[0])
@@ -194,17 +195,17 @@ class Checkpointing:
 
     def _checkpointed(self) -> None:
         """A checkpoint is published: its files are table nodes, which the serving processes
-        register themselves; the daemon keeps no idle registration of an NVMe copy from now
-        on (Backings.close_nvme_idle; RAM's copies stay its own), and no published name of
-        a file the serving processes answer from the table (_unname_tabled)."""
+        register themselves; the daemon keeps no idle registration from now on
+        (Backings.close_idle), and no published name of a file the serving processes answer
+        from the table (_unname_tabled)."""
         if self._backings is not None:
-            self.core.stats.incr("serve.checkpoint_backings_closed", self._backings.close_nvme_idle())
+            self.core.stats.incr("serve.checkpoint_backings_closed", self._backings.close_idle())
         self.core.stats.incr("serve.names_tabled", self._unname_tabled())
         self.core.stats.incr("serve.checkpoints")
 
     def _unname_tabled(self) -> int:
         """This process's nodes for files the checkpoint records (as the version the node
-        stands for, and not taken by RAM) have their published names taken back: the
+        stands for) have their published names taken back: the
         serving processes answer their next lookups from the table, as table nodes. The
         kernel is then told to drop its names of them all, published or not (by the
         invalidation thread, after a quiesce: _drop_names), so that it forgets the nodes
@@ -223,7 +224,7 @@ class Checkpointing:
                 for nodeid in files[i:i + UNNAME_BATCH]:
                     fid, a = self.nodes.file_id(nodeid), self.nodes.version(nodeid)
                     if not fid or not a or table.row_of(nodeid) >= 0 or self._free_row(fid.path, a) is None:
-                        continue  # (RAM's, a table node, or not recorded as this version)
+                        continue  # (a table node, or not recorded as this version)
                     drop.append(nodeid)
                     if nodeid in self._named:
                         self._take_name(nodeid)

@@ -169,7 +169,7 @@ class Backings:
         self._idle: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.ram_count = 0  # of them, RAM copies (stats: opens.backing_files_ram)
-        self.nvme_idle = True  # NVMe copies kept registered after their last close (see close_nvme_idle)
+        self.keep_idle = True  # copies kept registered after their last close (see close_idle)
 
     @staticmethod
     def key(backing: Backing) -> bytes:
@@ -249,7 +249,7 @@ class Backings:
             rec[2] -= 1
             if rec[2] > 0:
                 return
-            if rec[3] or not (self.nvme_idle or self.in_ram(eid)):
+            if rec[3] or not self.keep_idle:
                 del self._ids[eid]
                 closing.append((eid, rec))
             else:
@@ -295,23 +295,19 @@ class Backings:
             log.debug("closing backing id %d failed: %s", backing_id, exc)
         backing.release()
 
-    def close_nvme_idle(self) -> int:
-        """Close the NVMe copies' registrations nothing has open (idle), and from now on
-        each at its last close; give back the tables they took; the number closed. After a
-        checkpoint the files it recorded are the serving processes' table nodes, which
-        register their own: the daemon's idle ones (about 350 bytes each here, and a kernel
-        file) only wait for a node of the daemon's the kernel still holds, which registers
-        its file again at its next open (as does a file cached after the checkpoint, until
-        the next one takes it). RAM's copies stay the daemon's, as before."""
+    def close_idle(self) -> int:
+        """Close the registrations nothing has open (idle), and from now on each at its last
+        close; give back the tables they took; the number closed. After a checkpoint the
+        files it recorded are the serving processes' table nodes, which register their own
+        (RAM's copy where RAM holds the file): the daemon's idle ones (about 350 bytes each
+        here, and a kernel file) only wait for a node of the daemon's the kernel still
+        holds, which registers its file again at its next open (as does a file cached after
+        the checkpoint, until the next one takes it)."""
         with self._lock:
-            self.nvme_idle = False
-            gone = [key for key in self._idle if not self.in_ram(key)]
-            recs = []
-            for key in gone:
-                del self._idle[key]
-                recs.append(self._ids.pop(key))
-            if recs:
-                self._idle = collections.OrderedDict(self._idle)
+            self.keep_idle = False
+            recs = [self._ids.pop(key) for key in self._idle]
+            self._idle = collections.OrderedDict()
+            if recs:  # (a dict keeps its table as keys go)
                 self._ids = dict(self._ids)
         for rec in recs:
             self._close(rec[0], rec[1])

@@ -18,6 +18,7 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import xxhash
@@ -259,6 +260,13 @@ class ServeTable:
             return backing_id
         finally:
             self.row_lock(n, False)
+
+    def want_ram(self, rows: Iterable[int]) -> None:
+        """(The main process) table nodes not published yet whose files RAM holds: a serving
+        process's first registration of one opens RAM's copy (see close_row)."""
+        copy = self.row_copy
+        for n in rows:
+            copy[n] |= RAM_WANTED
 
     def row_closed(self, n: int, backing_id: int) -> bool:
         """close_row's second step, after a quiesce: the node is FREE again. With nothing

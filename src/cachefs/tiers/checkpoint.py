@@ -28,6 +28,7 @@ import os
 import random
 import threading
 import time
+from array import array
 from collections.abc import Container
 from typing import TYPE_CHECKING, cast
 
@@ -76,19 +77,19 @@ class Checkpoints:
         @property
         def suspended(self) -> bool: ...
 
-    def checkpoint(self, skip: Container[bytes] = (), room: int | None = None) -> tuple[int, int] | None:
+    def checkpoint(self, ram: Container[bytes] = (), room: int | None = None) -> tuple[int, int, array] | None:
         """Write the entries held now as an entry table of their own, for the serving
         processes' table nodes in a mount that started without a table (a first mount, or
         one after a crash), or its next generation (see the module docstring): (a new
-        descriptor of it, records); (-1, the records of the one before) if no file is new
-        since (none, or RAM holds them); None if this start came from a table, the tier
+        descriptor of it, records, the numbers of the new records whose entries are in
+        `ram`: RAM holds those files too); (-1, the records of the one before, none) if no
+        file is new since; None if this start came from a table, the tier
         lacks the room for it, it would have more than `room` records, or it cannot be
         written. The index does not name it (the index's lines stay the record of the
         tier; a clean stop writes its own table and removes this one, a start removes it
         as any table the index does not name). Each entry written or checked in this
         mount is vouched for by this checkpoint (`synced`: its file is checked at its first
         open if it changed since, as after a clean stop). Its size counts in the tier's
-        budget. Entries in `skip` (RAM's) are left out, unless the table before had them.
         The entries are copied under the tier's lock and written outside it: one dropped
         meanwhile is in the table, and its node's first open finds no file and goes to
         the daemon; the record of a path stored meanwhile is retired (on_unpathed). The
@@ -108,7 +109,7 @@ class Checkpoints:
             # then the entries cached since with a block held, oldest first: entries, not
             # rows, until each row is written (a Row per record at once was ~700 bytes each)
             before = [held.pop(old.eid_of(n), None) for n in range(old.count)] if old is not None else []
-            new = [e for e in held.values() if e.eid not in skip and e.present and e.held]
+            new = [e for e in held.values() if e.present and e.held]
             del held
             new.sort(key=lambda e: e.stored_at)
             kept = len(before)
@@ -130,11 +131,12 @@ class Checkpoints:
                     self.stored_since_checkpoint += since
                 newer, self._stored_since_copy = self._stored_since_copy, None
         if found is None:
-            return (-1, kept) if count == kept else None
+            return (-1, kept, array("I")) if count == kept else None
         self._taken_over(found[0], old, newer or [])
         self._cool(found[0], [(n, e) for n, e in enumerate(before) if e is not None]
-                   + [(kept + i, e) for i, e in enumerate(new)], found[2], skip)
-        return os.dup(found[0].fileno()), found[0].count
+                   + [(kept + i, e) for i, e in enumerate(new)], found[2])
+        return os.dup(found[0].fileno()), found[0].count, array("I", (kept + i for i, e in enumerate(new)
+                                                                      if e.eid in ram))
 
     def _taken_over(self, t: Table, old: Table | None, newer: list[tuple[str, bytes]]) -> None:
         """Checkpoint `t` stands for the tier now: the one before it (`old`) goes from the
@@ -150,10 +152,10 @@ class Checkpoints:
         log.info("NVMe tier: checkpoint of %d files written (%s)%s", t.count, format_size(t.size),
                  f", {t.count - old.count} after the {old.count} of the one before" if old is not None else "")
 
-    def _cool(self, t: Table, candidates: list[tuple[int, Entry]], hidden: set[int], skip: Container[bytes]) -> int:
+    def _cool(self, t: Table, candidates: list[tuple[int, Entry]], hidden: set[int]) -> int:
         """After checkpoint `t`: of the entries in memory it records (`candidates`: record
         number, entry), those idle leave memory for its cold set (see the module
-        docstring); RAM's (`skip`), the records the path buckets do not lead to (`hidden`)
+        docstring); the records the path buckets do not lead to (`hidden`)
         and the others stay. In batches of COOL_BATCH under the tier's lock; the number
         cooled."""
         with self._lock:
@@ -170,7 +172,7 @@ class Checkpoints:
                     eid = was.eid
                     e = self._entries.get(eid)
                     if (e is None or e.unverified or e.punched or e.present != 1 or len(e.hashes) != 1
-                            or eid in skip or n in hidden or n in r.unpathed or self._paths.get(e.path) != eid):
+                            or n in hidden or n in r.unpathed or self._paths.get(e.path) != eid):
                         continue
                     got = self.policy.cool((eid, 0))
                     if got is None:

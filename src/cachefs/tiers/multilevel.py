@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+from array import array
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -455,11 +456,12 @@ class MultiLevelCache:
         after a clean stop; None if it did not (see DiskTier.entry_table)."""
         return self.disk.entry_table() if self.disk is not None else None
 
-    def checkpoint(self, room: int | None = None) -> tuple[int, int] | None:
-        """The NVMe tier's entries but those RAM holds too, as an entry table of this
-        mount's (or its next generation), for table nodes: (a new descriptor of it,
-        records), (-1, records) if nothing is new, or None (see DiskTier.checkpoint)."""
-        return self.disk.checkpoint(skip=set(self.ram.entry_ids()), room=room) if self.disk is not None else None
+    def checkpoint(self, room: int | None = None) -> tuple[int, int, array] | None:
+        """The NVMe tier's entries as an entry table of this mount's (or its next
+        generation), for table nodes: (a new descriptor of it, records, the new records of
+        files RAM holds too), (-1, records, none) if nothing is new, or None (see
+        DiskTier.checkpoint)."""
+        return self.disk.checkpoint(ram=set(self.ram.entry_ids()), room=room) if self.disk is not None else None
 
     def checkpoint_released(self) -> None:
         """No process maps a checkpoint older than the newest any more (its blocks are free)."""
