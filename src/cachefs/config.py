@@ -72,8 +72,10 @@ def default_serve_processes() -> int:
 NODE_TABLE_CAPACITY = 1 << 24
 # Seconds before a table node's switch to the copy RAM holds (or, once RAM let it go, to
 # the NVMe tier's) is tried again when its registration could not be closed: a reader had
-# the other copy open (see tablenodes.py, _close_rows).
+# the other copy open (see tablenodes.py, _close_rows). Doubled while the tries close
+# nothing (a file held open for hours), up to SWITCH_RETRY_MAX: an idle mount stays idle.
 SWITCH_RETRY = 0.1
+SWITCH_RETRY_MAX = 10.0
 
 # Seconds between two looks, in a mount that started without an entry table, at whether the
 # NVMe tier has passed --backing-files (or CHECKPOINT_MIN_FILES) and stopped growing: then its

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from cachefs.config import AHEAD_DIRS_MAX, AHEAD_ROOM, SWITCH_RETRY
+from cachefs.config import AHEAD_DIRS_MAX, AHEAD_ROOM
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import REGISTERED, decode_report
 from cachefs.fuse.servetable import NAME_MAX, RAM_REGISTERED, ServeTable
@@ -65,6 +65,7 @@ class Published:
     _take_row_of: Callable[..., None]
     _switch_row_of: Callable[[bytes, bool], None]
     _switch_retry: list[int]
+    _switch_wait: float
     _retire: Callable[..., None]
     _row_taken: Callable[[ServeTable, int, NodeOpen | None], None]
     _rows_counted: Callable[[list[int]], None]
@@ -348,7 +349,7 @@ class Published:
         with it. Only `_reap` holds a batch: the loop had kept its last one (at 200,000
         files, 48,654 forgotten nodes' states, ~25 MB) until the next forget came."""
         try:  # (switches to try again wait a while: something had the copy open)
-            batch = [self._unpublished.get(timeout=SWITCH_RETRY if self._switch_retry else None)]
+            batch = [self._unpublished.get(timeout=self._switch_wait if self._switch_retry else None)]
             time.sleep(0.005)  # a batch forget comes as many: one wait for all of them
         except queue.Empty:
             batch = []

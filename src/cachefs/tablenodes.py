@@ -22,6 +22,7 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from cachefs.config import SWITCH_RETRY, SWITCH_RETRY_MAX
 from cachefs.fuse import protocol as p
 from cachefs.fuse.serve import REGISTERED, REGISTERED_RAM
 from cachefs.fuse.servetable import RAM_REGISTERED, RAM_WANTED, ROW_FREE, ROW_TAKEN, ServeTable, TableNodes
@@ -70,6 +71,7 @@ class TableNodeOwner:
     _rows_closing: set[int]        # a taking waits those out (see _close_rows)
     _rows_switching: set[int]  # table nodes whose registration is of the copy not wanted (the reaper's)
     _switch_retry: list[int]  # of them, those to try again (something was open)
+    _switch_wait: float  # seconds before that (SWITCH_RETRY, doubled while the tries close nothing)
     _init_checkpoints: Callable[[], None]
 
     def _init_table_nodes(self) -> None:
@@ -83,7 +85,7 @@ class TableNodeOwner:
         self._rows_registered = 0
         self._rows_cv = threading.Condition()
         self._rows_closing = set()
-        self._rows_switching, self._switch_retry = set(), []
+        self._rows_switching, self._switch_retry, self._switch_wait = set(), [], SWITCH_RETRY
         self._init_checkpoints()
 
     def _start_rows(self, count: int, checkpoint: tuple[int, int] | None = None) -> None:
@@ -272,9 +274,9 @@ class TableNodeOwner:
         closed (ServeTable.close_row): `rows` past the limit, `switches` (node, whether
         RAM's copy is wanted; None: as wanted now, a retry) where the id is the other copy's
         (_switch_row_of; once closed the next open registers the copy wanted; while
-        something is open, tried again SWITCH_RETRY later: until then the kernel reads the
-        copy it has, the same bytes). The ids by node. A taking of one of them waits until
-        _rows_closed. (Before the limit took nodes whole, and at 1.28 million files every
+        something is open, tried again SWITCH_RETRY later, and less often while that
+        lasts: until then the kernel reads the copy it has, the same bytes). The ids by
+        node. A taking of one of them waits until _rows_closed. (Before the limit took nodes whole, and at 1.28 million files every
         open of the epoch after the first came to this process.)"""
         table = self._table
         assert table is not None
@@ -323,6 +325,8 @@ class TableNodeOwner:
             finally:  # a taking waiting on one of them must never wait for good
                 self._rows_closing.difference_update(closing)
                 self._rows_cv.notify_all()
+        if self._switch_retry:
+            self._switch_wait = SWITCH_RETRY if sum(switched) else min(2 * self._switch_wait, SWITCH_RETRY_MAX)
         for backing_id in closed:
             self._close_private(backing_id)
         self.core.stats.add_many({"serve.table_backings_closed": len(closed) - sum(switched),

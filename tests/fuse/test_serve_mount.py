@@ -334,12 +334,19 @@ def test_a_table_node_ram_takes_stays_the_serving_processes_and_is_read_from_ram
     epoch(mp, data, 1)  # into NVMe (and RAM, gone with the daemon)
     mounts.unmount(mp)
     mp = passthrough_mount(mounts, src, *args)
+    held = open(mp / "f00", "rb")  # (open through the switch: it is tried again until closed)
     epoch(mp, data, 2)  # table nodes: registered by the serving process; RAM takes each
     s = stats(mp)
     assert s["serve"]["table_registrations"] == len(data) and s["ram"]["promotions"] == len(data)
     deadline = time.monotonic() + 10
-    while stats(mp)["serve"].get("table_switches", 0) < len(data) and time.monotonic() < deadline:
+    while stats(mp)["serve"].get("table_switches", 0) < len(data) - 1 and time.monotonic() < deadline:
         time.sleep(0.05)  # the NVMe copies' registrations closed (nothing has them open)
+    time.sleep(0.5)
+    assert stats(mp)["serve"]["table_switches"] == len(data) - 1  # (not f00's: open)
+    assert held.read() == data["f00"]
+    held.close()
+    while stats(mp)["serve"].get("table_switches", 0) < len(data) and time.monotonic() < deadline:
+        time.sleep(0.05)
     s = stats(mp)
     assert s["serve"]["table_switches"] == len(data) and s["serve"].get("table_nodes_taken", 0) == 0
     assert s["opens"]["backing_files"] == 0 and s["serve"]["published"] == 0  # (the daemon holds none)
