@@ -27,8 +27,8 @@ def checkpoint(t, **kw) -> int:
 
 def test_a_checkpoint_takes_its_idle_entries_out_of_memory(disk):
     """Whole files of one block, checked: out of memory, still held, read, hit and looked up
-    as before (an open one too: its release does not bring it back); a file of two blocks
-    and RAM's stay."""
+    as before (an open one too: its release does not bring it back; one RAM holds too); a
+    file of two blocks stays."""
     stats = Stats()
     t = disk(stats=stats)
     data = {n: os.urandom(3000 + n) for n in range(20)}
@@ -40,12 +40,14 @@ def test_a_checkpoint_takes_its_idle_entries_out_of_memory(disk):
     assert t.confirm("/f4") == (eid(4), -1)  # (in memory: no record)
     when = t.attr_of("/f4")[1]
     used, held, keys, volume = t.policy.used, len(t), len(t.policy), t._volume()
-    assert checkpoint(t, skip={eid(5)}) == 20                          # (RAM holds f5: not in it)
-    assert set(t._entries) == {eid(5), eid(30)}
-    assert stats.get("disk.cooled_files") == 19 and t._restored.files == 19
+    got = t.checkpoint(ram={eid(5)})                                   # (RAM holds f5: in it, and said)
+    assert got is not None and got[1] == 21 and list(got[2]) == [t.table_find(eid=eid(5))]
+    os.close(got[0])
+    assert set(t._entries) == {eid(30)}
+    assert stats.get("disk.cooled_files") == 20 and t._restored.files == 20
     assert (t.policy.used, len(t), len(t.policy)) == (used, held, keys) and t.files_held() == 21
     assert t._volume() > volume                                        # (the checkpoint is counted too)
-    assert t.attr_of("/f4") == (info("/f4", 3004, BS).attr, when) and set(t._entries) == {eid(5), eid(30)}
+    assert t.attr_of("/f4") == (info("/f4", 3004, BS).attr, when) and set(t._entries) == {eid(30)}
     t.release(eid(3))
     assert eid(3) not in t._entries
     assert t.hit_whole([eid(n) for n in (6, 7, 8)]) == [True] * 3 and eid(6) not in t._entries  # hits stay cold

@@ -276,8 +276,9 @@ class TableNodeOwner:
         (_switch_row_of; once closed the next open registers the copy wanted; while
         something is open, tried again SWITCH_RETRY later, and less often while that
         lasts: until then the kernel reads the copy it has, the same bytes). The ids by
-        node. A taking of one of them waits until _rows_closed. (Before the limit took nodes whole, and at 1.28 million files every
-        open of the epoch after the first came to this process.)"""
+        node. A taking of one of them waits until _rows_closed. (Before the limit took
+        nodes whole, and at 1.28 million files every open of the epoch after the first
+        came to this process.)"""
         table = self._table
         assert table is not None
         closing = {}
