@@ -160,7 +160,7 @@ class Checkpointing:
         have their paths published (those it looks up later, at that lookup). Files RAM
         holds are in it too, their table nodes marked for RAM's copy before they are
         published (ServeTable.want_ram): they had been left out, the daemon's nodes with
-        RAM's copies registered, about 2 KB each of its memory. A next generation
+        RAM's copies registered, 1.6-2.1 KB each of its memory (measured). A next generation
         (the records before in their numbers) is published in place of the one before,
         whose descriptor this process keeps until every serving process maps the new one.
         The records the serving processes answer now, or None (it failed)."""
