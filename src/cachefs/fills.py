@@ -74,9 +74,9 @@ class SmallFills:
         fid = request.expect if reply.attr is None else FileId.of(request.path, attr)
         assert fid is not None
         key = block_key(self.namespace, fid, 0, self.block_size)
-        self._stats.incr("source.late_fills")
         self._cache.adopt(key, attr.size, reply.hash, EntryInfo(request.path, attr, self.block_size),
                           ram_reserved=0 if reply.in_ram else None)
+        self._stats.incr("source.late_fills")  # (once taken: a reader of the count finds the file held)
 
     @property
     def batches_shared(self) -> bool:
